@@ -1,0 +1,293 @@
+"""The seeds' Adam rule (TensorFlow's `LazyAdamOptimizer`), made lazy.
+
+Per step, for the rows the batch touched (duplicates summed first):
+
+    t    <- t + 1                      (one global count for all rows)
+    lr_t <- lr * sqrt(1 - b2^t) / (1 - b1^t)
+    m    <- b1 * m + (1 - b1) * g
+    v    <- b2 * v + (1 - b2) * g * g
+    p    <- p - lr_t * m / (sqrt(v) + eps)          ("epsilon hat")
+
+This differs from `optax.adam`, which bias-corrects `m` and `v` first and
+adds `eps` to `sqrt(v_hat)`; the two agree as `eps -> 0`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import chex
+import jax
+import jax.numpy as jnp
+import optax
+
+from lazy_optax._src.lazy import lazy
+
+
+class ScaleByLazyAdamState(NamedTuple):
+  """State of `scale_by_lazy_adam`: global step and the two moments."""
+  count: chex.Array  # int32 scalar, the global step
+  mu: optax.Updates
+  nu: optax.Updates
+
+
+class ScaleByLazyAMSGradState(NamedTuple):
+  """State of `scale_by_lazy_adam(amsgrad=True)`: also the running max of nu."""
+  count: chex.Array
+  mu: optax.Updates
+  nu: optax.Updates
+  nu_max: optax.Updates
+
+
+def one_minus_power(decay: Any, count: jax.Array, dtype: Any) -> jax.Array:
+  """`1 - decay**count`, computed from `1 - decay` to keep its precision.
+
+  `1 - float32(0.999)` is 1.3e-5 off `0.001`; taking `1 - decay` in Python
+  (float64) and `-expm1(t * log1p(-(1 - decay)))` in `dtype` keeps the bias
+  correction within a few ulps of the float64 value.
+
+  Args:
+    decay: a Python float or a scalar array, the decay rate.
+    count: the step count (integer scalar).
+    dtype: floating dtype of the result.
+
+  Returns:
+    A scalar of `dtype`.
+  """
+  one_minus_decay = jnp.asarray(1 - decay, dtype)
+  t = jnp.asarray(count).astype(dtype)
+  return -jnp.expm1(t * jnp.log1p(-one_minus_decay))
+
+
+def _compute_dtype(*dtypes: Any) -> Any:
+  return jnp.promote_types(jnp.float32, jnp.result_type(*dtypes))
+
+
+def seeds_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[Any] = None,
+    amsgrad: bool = False,
+) -> optax.GradientTransformation:
+  """The seeds' Adam rule on dense arrays (TensorFlow's `AdamOptimizer`).
+
+  The building block that `scale_by_lazy_adam` wraps with `lazy`: applied to
+  a dense gradient it updates every entry.
+
+  Args:
+    b1: decay of the first moment.
+    b2: decay of the second moment.
+    eps: "epsilon hat", added to `sqrt(v)` after bias correction moved to
+      the step size.
+    eps_root: added to `v` under the square root (0 in the seeds' rule).
+    mu_dtype: dtype of `mu` (default: the parameter's).
+    nu_dtype: dtype of `nu` (default: the parameter's).
+    amsgrad: divide by the running maximum of `nu` instead of `nu`.
+
+  Returns:
+    An `optax.GradientTransformation` whose updates still need the learning
+    rate (and its sign) applied.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from lazy_optax._src.adam import seeds_adam
+    >>> tx = seeds_adam()
+    >>> u, _ = tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))
+    >>> u.round(4)
+    Array([1., 1.], dtype=float32)
+  """
+
+  def init_fn(params):
+    def zeros(dtype):
+      return lambda p: jnp.zeros(jnp.shape(p), dtype or jnp.asarray(p).dtype)
+    mu = jax.tree.map(zeros(mu_dtype), params)
+    nu = jax.tree.map(zeros(nu_dtype), params)
+    count = jnp.zeros([], jnp.int32)
+    if amsgrad:
+      return ScaleByLazyAMSGradState(count, mu, nu,
+                                     jax.tree.map(zeros(nu_dtype), params))
+    return ScaleByLazyAdamState(count, mu, nu)
+
+  def update_fn(updates, state, params=None):
+    del params
+    count = optax.safe_increment(state.count)
+
+    def moments(g, m, v):
+      dtype = _compute_dtype(g.dtype, m.dtype, v.dtype)
+      g = g.astype(dtype)
+      m_new = b1 * m.astype(dtype) + (1 - b1) * g
+      v_new = b2 * v.astype(dtype) + (1 - b2) * (g * g)
+      return m_new.astype(m.dtype), v_new.astype(v.dtype)
+
+    pairs = jax.tree.map(moments, updates, state.mu, state.nu)
+    is_pair = lambda x: isinstance(x, tuple)
+    mu = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
+    nu = jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
+    nu_max = None
+    if amsgrad:
+      nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu)
+
+    def step(g, m, v):
+      dtype = _compute_dtype(m.dtype, v.dtype)
+      correction = (jnp.sqrt(one_minus_power(b2, count, dtype))
+                    / one_minus_power(b1, count, dtype))
+      v = v.astype(dtype)
+      denom = jnp.sqrt(v + eps_root) + eps
+      return (correction * m.astype(dtype) / denom).astype(g.dtype)
+
+    new_updates = jax.tree.map(step, updates, mu, nu_max if amsgrad else nu)
+    if amsgrad:
+      return new_updates, ScaleByLazyAMSGradState(count, mu, nu, nu_max)
+    return new_updates, ScaleByLazyAdamState(count, mu, nu)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def scale_by_lazy_adam(
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[Any] = None,
+    *,
+    nu_dtype: Optional[Any] = None,
+    amsgrad: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """Rescales updates by the seeds' lazy Adam rule (no learning rate).
+
+  For a `SparseRows` gradient only the touched rows of `mu` and `nu` change
+  (duplicates summed first); a dense gradient updates every row, as the
+  seeds' dense Adam does. The step count is global. Chain with
+  `optax.scale_by_learning_rate` (or use `lazy_adam`).
+
+  Args:
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    eps: added to `sqrt(v)` ("epsilon hat": bias correction lives in the
+      step size, as in TensorFlow's Adam; Keras used 1e-7, TF1 1e-8).
+    eps_root: added to `v` inside the square root.
+    mu_dtype: dtype of the first moment (e.g. `jnp.float32` for bfloat16
+      tables); defaults to the parameter's dtype.
+    nu_dtype: dtype of the second moment; defaults to the parameter's dtype.
+    amsgrad: keep, per touched row, the maximum of `nu` seen so far and
+      divide by its square root (lazy AMSGrad).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with state
+    `ScaleByLazyAdamState(count, mu, nu)` (or `ScaleByLazyAMSGradState`).
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import lazy_optax
+    >>> tx = optax.chain(lazy_optax.scale_by_lazy_adam(),
+    ...                  optax.scale_by_learning_rate(1e-3))
+    >>> state = tx.init({'table': jnp.zeros((100, 8))})
+    >>> optax.tree_utils.tree_get(state, 'mu')['table'].shape
+    (100, 8)
+  """
+  return lazy(seeds_adam(b1, b2, eps, eps_root, mu_dtype, nu_dtype, amsgrad))
+
+
+def lazy_adam(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[Any] = None,
+    *,
+    nu_dtype: Optional[Any] = None,
+    amsgrad: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """LazyAdam: the seeds' Adam rule on the rows each batch touched.
+
+  `SparseRows` gradients update only their rows of the parameter, `mu` and
+  `nu`; dense gradients get the seeds' dense Adam. See the module docstring
+  for the rule.
+
+  Args:
+    learning_rate: a float or an optax schedule of the step count.
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    eps: "epsilon hat", added to `sqrt(v)`.
+    eps_root: added to `v` inside the square root.
+    mu_dtype: dtype of `mu` (default: the parameter's).
+    nu_dtype: dtype of `nu` (default: the parameter's).
+    amsgrad: lazy AMSGrad (running maximum of `nu` per touched row).
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import lazy_optax
+    >>> params = {'table': jnp.zeros((1000, 4))}
+    >>> tx = lazy_optax.lazy_adam(1e-2)
+    >>> state = tx.init(params)
+    >>> grads = {'table': lazy_optax.SparseRows(jnp.array([3, 7, 3]),
+    ...                                         jnp.ones((3, 4)), 1000)}
+    >>> updates, state = tx.update(grads, state)
+    >>> params = lazy_optax.apply_updates(params, updates)
+    >>> float(params['table'][3, 0]), float(params['table'][4, 0])
+    (-0.009999..., 0.0)
+  """
+  return lazy(optax.chain(
+      seeds_adam(b1, b2, eps, eps_root, mu_dtype, nu_dtype, amsgrad),
+      optax.scale_by_learning_rate(learning_rate),
+  ))
+
+
+def lazy_adamw(
+    learning_rate: optax.ScalarOrSchedule,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    eps_root: float = 0.0,
+    mu_dtype: Optional[Any] = None,
+    weight_decay: float = 1e-4,
+    mask: Optional[Any] = None,
+    *,
+    nu_dtype: Optional[Any] = None,
+    amsgrad: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+  """LazyAdam with decoupled weight decay on the touched rows only.
+
+  Each touched row moves by `-lr * (adam_step + weight_decay * p)`, as
+  `optax.adamw` does for every entry; rows the batch did not touch do not
+  decay. Needs `params` in `update`.
+
+  Args:
+    learning_rate: a float or an optax schedule.
+    b1: decay rate of the first moment.
+    b2: decay rate of the second moment.
+    eps: "epsilon hat", added to `sqrt(v)`.
+    eps_root: added to `v` inside the square root.
+    mu_dtype: dtype of `mu`.
+    weight_decay: decoupled weight decay rate.
+    mask: as in `optax.adamw`: a tree of bools or a callable saying which
+      parameters decay.
+    nu_dtype: dtype of `nu`.
+    amsgrad: lazy AMSGrad.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import lazy_optax
+    >>> params = {'table': jnp.ones((10, 2))}
+    >>> tx = lazy_optax.lazy_adamw(0.1, weight_decay=0.5)
+    >>> g = {'table': lazy_optax.SparseRows(jnp.array([0]), jnp.zeros((1, 2)),
+    ...                                     10)}
+    >>> updates, _ = tx.update(g, tx.init(params), params)
+    >>> lazy_optax.apply_updates(params, updates)['table'][:2, 0]
+    Array([0.95, 1.  ], dtype=float32)
+  """
+  return lazy(optax.chain(
+      seeds_adam(b1, b2, eps, eps_root, mu_dtype, nu_dtype, amsgrad),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate),
+  ))

@@ -1,0 +1,67 @@
+"""Adding dense and row-sparse updates to parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from lazy_optax._src.sparse_rows import SparseRows
+
+
+def _add(path: Any, param: Any, update: Any) -> Any:
+  if param is None:
+    return None
+  where = jax.tree_util.keystr(path)
+  param = jnp.asarray(param)
+  if isinstance(update, SparseRows):
+    if not jnp.issubdtype(update.indices.dtype, jnp.integer):
+      raise TypeError(
+          f'The SparseRows update for parameter {where} has indices of dtype '
+          f'{update.indices.dtype}: a plain optax transformation after a lazy '
+          'one treated the ids as numbers. Wrap the whole chain in '
+          'lazy_optax.lazy(...) instead.')
+    if tuple(param.shape) != update.shape:
+      raise ValueError(
+          f'Parameter {where} has shape {tuple(param.shape)} but its '
+          f'SparseRows update is for shape {update.shape}.')
+    return update.add_to(param)
+  update = jnp.asarray(update)
+  if tuple(update.shape) != tuple(param.shape):
+    raise ValueError(
+        f'Parameter {where} has shape {tuple(param.shape)} but its update has '
+        f'shape {tuple(update.shape)}.')
+  return (param + update).astype(param.dtype)
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+  """Adds updates to parameters; a `SparseRows` update adds its rows only.
+
+  Like `optax.apply_updates`, but shapes are checked (no silent broadcasting)
+  and a `SparseRows` update is a scatter-add onto its rows, so the other rows
+  of the table are not touched. `optax.apply_updates` gives the same result,
+  since a `SparseRows` knows how to add itself to an array. Under `jax.jit`
+  with the parameters donated, XLA updates the table in place.
+
+  Args:
+    params: a tree of parameters.
+    updates: a tree of updates of the same structure, where a table's leaf
+      may be a `SparseRows`.
+
+  Returns:
+    The updated parameters, with the structure, shapes and dtypes of
+    `params`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> import lazy_optax
+    >>> params = {'table': jnp.zeros((4, 2)), 'bias': jnp.zeros(2)}
+    >>> updates = {'table': lazy_optax.SparseRows(jnp.array([3]),
+    ...                                           jnp.ones((1, 2)), 4),
+    ...            'bias': jnp.ones(2)}
+    >>> lazy_optax.apply_updates(params, updates)['table'][3]
+    Array([1., 1.], dtype=float32)
+  """
+  return jax.tree_util.tree_map_with_path(
+      _add, params, updates, is_leaf=lambda x: x is None)

@@ -1,0 +1,107 @@
+"""Finding the optimizer-state leaves that hold one row per table row.
+
+`lazy(tx)` must gather and scatter the rows of every state leaf that mirrors
+a row-lazy parameter (`mu`, `nu`, traces, accumulators, per-row counters) and
+leave the other leaves (`count`, hyperparameters) whole. The owners are found
+from `tx.init` itself, without running it: `jax.eval_shape` initialises the
+state once for the real shapes and once with each row-lazy parameter given a
+distinct, otherwise unused row count. A leaf whose leading size follows that
+probe belongs to that parameter. This sees through `optax.chain`,
+`optax.partition`, `optax.masked` and `optax.inject_hyperparams` alike, and a
+leaf that changes in any other way (a transposed or reduced copy of the
+table) is refused with its path, since it cannot be updated row by row.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+
+_FIRST_PROBE = 1_000_003
+
+
+def _shape_struct(x: Any) -> Any:
+  return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+
+
+def _all_dims(tree: Any) -> set[int]:
+  dims: set[int] = set()
+  for leaf in jax.tree.leaves(tree):
+    dims.update(int(d) for d in getattr(leaf, 'shape', ()))
+  return dims
+
+
+def row_owners(
+    init_fn: Any,
+    param_shapes: Sequence[jax.ShapeDtypeStruct],
+    rebuild_params: Any,
+    row_param_positions: Sequence[int],
+    state: Any,
+) -> list[Optional[int]]:
+  """For each leaf of `state`, the parameter position whose rows it holds.
+
+  Args:
+    init_fn: the inner transformation's `init`.
+    param_shapes: shape structs of the flattened parameters.
+    rebuild_params: callable turning a list of leaves into a params tree.
+    row_param_positions: positions of the parameters updated row by row.
+    state: the optimizer state, whose leaves are classified.
+
+  Returns:
+    A list with one entry per leaf of `jax.tree.leaves(state)`: the position
+    (into `param_shapes`) of the parameter whose rows the leaf holds, or
+    `None` for a leaf that is used whole.
+
+  Raises:
+    ValueError: naming the state leaf, when the state does not come from this
+      transformation or a leaf depends on a table in a way other than one
+      entry per row.
+  """
+  real = jax.eval_shape(init_fn, rebuild_params(list(param_shapes)))
+  used = _all_dims((real, state, param_shapes))
+  probe_shapes = list(param_shapes)
+  probe_of: dict[int, int] = {}
+  size = _FIRST_PROBE
+  for pos in row_param_positions:
+    while size in used:
+      size += 2
+    probe_of[size] = pos
+    shape = param_shapes[pos]
+    probe_shapes[pos] = jax.ShapeDtypeStruct((size, *shape.shape[1:]),
+                                             shape.dtype)
+    size += 2
+  probe = jax.eval_shape(init_fn, rebuild_params(probe_shapes))
+
+  real_paths, real_def = jax.tree_util.tree_flatten_with_path(real)
+  state_leaves, state_def = jax.tree.flatten(state)
+  if state_def != real_def:
+    raise ValueError(
+        'The optimizer state does not have the structure that this '
+        'transformation\'s init gives for these parameters: was it built by '
+        f'another optimizer or for other parameters?\n expected: {real_def}\n'
+        f' got: {state_def}')
+  probe_leaves = jax.tree.leaves(probe)
+  owners: list[Optional[int]] = []
+  for (path, r), p, s in zip(real_paths, probe_leaves, state_leaves):
+    where = jax.tree_util.keystr(path)
+    if tuple(getattr(s, 'shape', ())) != tuple(r.shape):
+      raise ValueError(
+          f'Optimizer state leaf {where} has shape {tuple(s.shape)}, but this '
+          f'transformation\'s init gives {tuple(r.shape)} for these '
+          'parameters: was the state built by another optimizer or for other '
+          'parameters?')
+    if tuple(p.shape) == tuple(r.shape):
+      owners.append(None)
+      continue
+    pos = probe_of.get(p.shape[0]) if p.shape else None
+    if (pos is None or tuple(p.shape[1:]) != tuple(r.shape[1:])
+        or r.shape[0] != param_shapes[pos].shape[0]):
+      raise ValueError(
+          f'Optimizer state leaf {where} (shape {tuple(r.shape)}) depends on '
+          'the shape of a row-lazy parameter but does not hold one entry per '
+          'row of it, so it cannot be updated row by row. Keep that '
+          'parameter dense (no SparseRows gradient) or use a transformation '
+          'whose state mirrors the parameters.')
+    owners.append(pos)
+  return owners

@@ -1,0 +1,67 @@
+"""SparseRows: validation, deduplication, densification, addition."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from lazy_optax import SparseRows, deduplicate
+
+
+def test_to_dense_sums_duplicates():
+  g = SparseRows(jnp.array([1, 3, 1]), jnp.arange(6.).reshape(3, 2), 4)
+  np.testing.assert_array_equal(
+      g.to_dense(), [[0, 0], [4, 6], [0, 0], [2, 3]])
+
+
+@pytest.mark.parametrize('bad', [-1, 4, 100])
+def test_concrete_out_of_range_id_raises_naming_it(bad):
+  with pytest.raises(ValueError, match=f'id {bad} '):
+    SparseRows(jnp.array([0, bad]), jnp.ones((2, 3)), 4)
+
+
+def test_under_jit_out_of_range_ids_touch_nothing():
+  table = jnp.arange(12.).reshape(4, 3)
+
+  @jax.jit
+  def add(ids):
+    return table + SparseRows(ids, jnp.ones((3, 3)), 4)
+
+  out = add(jnp.array([-1, 4, 2]))
+  expected = np.asarray(table).copy()
+  expected[2] += 1
+  np.testing.assert_array_equal(out, expected)
+
+
+def test_type_and_shape_errors():
+  with pytest.raises(TypeError, match='integer'):
+    SparseRows(jnp.array([0.0, 1.0]), jnp.ones((2, 3)), 4)
+  with pytest.raises(ValueError, match='one row per index'):
+    SparseRows(jnp.array([0, 1]), jnp.ones((3, 3)), 4)
+  with pytest.raises(ValueError, match='vector'):
+    SparseRows(jnp.array([[0, 1]]), jnp.ones((2, 3)), 4)
+  with pytest.raises(TypeError, match='num_rows'):
+    SparseRows(jnp.array([0]), jnp.ones((1, 3)), 4.0)
+
+
+def test_deduplicate_static_slots():
+  g = SparseRows(jnp.array([5, 2, 5, 5, 0]), jnp.arange(5.)[:, None], 6)
+  u = jax.jit(deduplicate)(g)
+  assert u.ids.shape == (5,)
+  got = {int(i): float(v[0]) for i, v in zip(u.ids, u.values) if i < 6}
+  assert got == {0: 4.0, 2: 1.0, 5: 0.0 + 2.0 + 3.0}
+  assert int(jnp.sum(u.ids == 6)) == 2
+  assert float(jnp.abs(u.values[u.ids == 6]).sum()) == 0.0
+
+
+def test_numpy_array_plus_sparse_rows():
+  table = np.zeros((3, 2), np.float32)
+  out = table + SparseRows(jnp.array([2]), jnp.ones((1, 2)), 3)
+  np.testing.assert_array_equal(out, [[0, 0], [0, 0], [1, 1]])
+
+
+def test_empty_batch_changes_nothing():
+  table = jnp.ones((3, 2))
+  g = SparseRows(jnp.zeros((0,), jnp.int32), jnp.zeros((0, 2)), 3)
+  np.testing.assert_array_equal(table + g, table)
+  assert g.to_dense().shape == (3, 2)
