@@ -123,9 +123,10 @@ def seeds_adam(
       return m_new.astype(m.dtype), v_new.astype(v.dtype)
 
     pairs = jax.tree.map(moments, updates, state.mu, state.nu)
-    is_pair = lambda x: isinstance(x, tuple)
-    mu = jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair)
-    nu = jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair)
+    # Split the pairs along the updates' structure: `is_leaf=tuple` would also
+    # catch tuple-shaped params and optax.masked's empty `MaskedNode`s.
+    mu = jax.tree.map(lambda _, p: p[0], updates, pairs)
+    nu = jax.tree.map(lambda _, p: p[1], updates, pairs)
     nu_max = None
     if amsgrad:
       nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu)
@@ -161,7 +162,8 @@ def scale_by_lazy_adam(
   For a `SparseRows` gradient only the touched rows of `mu` and `nu` change
   (duplicates summed first); a dense gradient updates every row, as the
   seeds' dense Adam does. The step count is global. Chain with
-  `optax.scale_by_learning_rate` (or use `lazy_adam`).
+  `optax.scale_by_learning_rate` inside `lazy(...)` (or use `lazy_adam`): a
+  plain optax transformation outside it would see `SparseRows` updates.
 
   Args:
     b1: decay rate of the first moment.
@@ -182,8 +184,8 @@ def scale_by_lazy_adam(
   Example:
     >>> import jax.numpy as jnp, optax
     >>> import lazy_optax
-    >>> tx = optax.chain(lazy_optax.scale_by_lazy_adam(),
-    ...                  optax.scale_by_learning_rate(1e-3))
+    >>> tx = lazy_optax.lazy(optax.chain(lazy_optax.scale_by_lazy_adam(),
+    ...                                  optax.scale_by_learning_rate(1e-3)))
     >>> state = tx.init({'table': jnp.zeros((100, 8))})
     >>> optax.tree_utils.tree_get(state, 'mu')['table'].shape
     (100, 8)

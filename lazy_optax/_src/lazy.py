@@ -8,7 +8,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import checks as _checks
 from lazy_optax._src import row_state
+from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.sparse_rows import SparseRows, deduplicate, is_sparse_rows
 
 
@@ -27,6 +29,7 @@ def _shape_struct(x: Any, path: str) -> jax.ShapeDtypeStruct:
 
 
 def _check_sparse_leaf(grad: SparseRows, param: Any, path: str) -> None:
+  _checks.check_sparse_gradient(grad, param, path)
   if not jnp.issubdtype(grad.values.dtype, jnp.inexact):
     raise TypeError(
         f'Gradient for parameter {path} is a SparseRows with values of dtype '
@@ -50,7 +53,8 @@ def _check_sparse_leaf(grad: SparseRows, param: Any, path: str) -> None:
 
 def _gather_rows(leaf: jax.Array, ids: jax.Array) -> jax.Array:
   # Unused slots hold id `num_rows`: they read zeros.
-  return leaf.at[ids].get(mode='fill', fill_value=0)
+  return leaf.at[ids].get(mode='fill', fill_value=0,
+                          **_sharding.gather_kwargs(leaf))
 
 
 def _broadcast_rows(mask: jax.Array, like: jax.Array) -> jax.Array:
@@ -135,7 +139,8 @@ def lazy(
         param_leaves = treedef.flatten_up_to(params)
       except (ValueError, TypeError) as e:
         raise ValueError(
-            'params and gradients have different tree structures.') from e
+            'params and gradients have different tree structures: '
+            f'{_checks.tree_difference(updates, params)}.') from e
 
     rows: dict[int, _RowLeaf] = {}
     row_grads = list(grads)
@@ -145,10 +150,17 @@ def lazy(
         unique = deduplicate(g)
         rows[i] = _RowLeaf(unique.ids, None)
         row_grads[i] = unique.values
+      elif hasattr(g, 'dtype') and not jnp.issubdtype(g.dtype, jnp.inexact):
+        raise TypeError(
+            f'Gradient for parameter {paths[i]} has dtype {g.dtype}; '
+            'gradients must be floating point.')
       elif skip_zero_rows and jnp.ndim(g) >= 1:
         rows[i] = _RowLeaf(None, _touched_rows(jnp.asarray(g)))
     if not rows:
       return inner.update(updates, state, params, **extra_args)
+    sparse_paths = [paths[i] for i, r in rows.items() if r.ids is not None]
+    if sparse_paths:  # a plain optax transformation must not see SparseRows
+      _checks.check_chain_neighbours(sparse_paths)
 
     shapes = [_shape_struct(g, p) for g, p in zip(grads, paths)]
     owners = row_state.row_owners(
@@ -175,7 +187,8 @@ def lazy(
         return new
       leaf = rows[pos]
       if leaf.ids is not None:
-        return old.at[leaf.ids].set(new.astype(old.dtype), mode='drop')
+        return old.at[leaf.ids].set(new.astype(old.dtype), mode='drop',
+                                    **_sharding.scatter_kwargs(old))
       return jnp.where(_broadcast_rows(leaf.row_mask, old), new, old)
 
     new_state = state_def.unflatten([

@@ -18,6 +18,8 @@ from typing import Any, Optional, Sequence
 
 import jax
 
+from lazy_optax._src import checks as _checks
+
 _FIRST_PROBE = 1_000_003
 
 
@@ -72,15 +74,28 @@ def row_owners(
                                              shape.dtype)
     size += 2
   probe = jax.eval_shape(init_fn, rebuild_params(probe_shapes))
+  # A second probe grows the row shape (not the row count) of the row-lazy
+  # parameters: a leaf that follows it but not the row count holds a
+  # statistic across rows (adafactor's factored column moment, a column
+  # sum), which the touched rows alone cannot update.
+  trail_shapes = list(param_shapes)
+  for pos in row_param_positions:
+    shape = param_shapes[pos]
+    trail_shapes[pos] = jax.ShapeDtypeStruct(
+        (shape.shape[0], *(d + 1 for d in shape.shape[1:])), shape.dtype)
+  trail_leaves = jax.tree.leaves(
+      jax.eval_shape(init_fn, rebuild_params(trail_shapes)))
 
   real_paths, real_def = jax.tree_util.tree_flatten_with_path(real)
   state_leaves, state_def = jax.tree.flatten(state)
   if state_def != real_def:
+    difference = _checks.tree_difference(
+        state, real, 'the given state', 'the state this optimizer makes')
     raise ValueError(
         'The optimizer state does not have the structure that this '
         'transformation\'s init gives for these parameters: was it built by '
-        f'another optimizer or for other parameters?\n expected: {real_def}\n'
-        f' got: {state_def}')
+        f'another optimizer or for other parameters? {difference}.\n'
+        f' expected: {real_def}\n got: {state_def}')
   probe_leaves = jax.tree.leaves(probe)
   owners: list[Optional[int]] = []
   for (path, r), p, s in zip(real_paths, probe_leaves, state_leaves):
@@ -92,6 +107,15 @@ def row_owners(
           'parameters: was the state built by another optimizer or for other '
           'parameters?')
     if tuple(p.shape) == tuple(r.shape):
+      if (len(trail_leaves) == len(probe_leaves) and
+          tuple(trail_leaves[len(owners)].shape) != tuple(r.shape)):
+        raise ValueError(
+            f'Optimizer state leaf {where} (shape {tuple(r.shape)}) depends '
+            'on the row shape of a row-lazy parameter but not on its row '
+            'count: it holds a statistic across rows (such as a factored '
+            'second moment), which cannot be updated from the touched rows '
+            'alone. Keep that parameter dense (no SparseRows gradient) or use '
+            'a transformation whose state mirrors the parameters row by row.')
       owners.append(None)
       continue
     pos = probe_of.get(p.shape[0]) if p.shape else None

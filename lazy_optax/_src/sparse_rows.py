@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazy_optax._src import sharding as _sharding
+
 
 def _is_tracer(x: Any) -> bool:
   return isinstance(x, jax.core.Tracer)
@@ -151,12 +153,18 @@ class SparseRows:
       `array` with `values` added to rows `indices`, in `array`'s dtype.
     """
     array = jnp.asarray(array)
+    if not jnp.issubdtype(self.indices.dtype, jnp.integer):
+      raise TypeError(
+          f'This SparseRows has indices of dtype {self.indices.dtype}: a plain '
+          'optax transformation placed after a lazy one treated the ids as '
+          'numbers. Put the whole chain inside lazy_optax.lazy(...).')
     if tuple(array.shape) != self.shape:
       raise ValueError(
           f'SparseRows of dense shape {self.shape} cannot be added to an '
           f'array of shape {tuple(array.shape)}.')
     values = self.values.astype(array.dtype)
-    return array.at[self.safe_indices()].add(values, mode='drop')
+    return array.at[self.safe_indices()].add(
+        values, mode='drop', **_sharding.scatter_kwargs(array))
 
   @classmethod
   def from_unique(cls, ids: jax.Array, values: jax.Array,
@@ -202,21 +210,30 @@ def deduplicate(grad: SparseRows) -> UniqueRows:
     A `UniqueRows` with `ids` of shape `[N]` and `values` of shape
     `[N, *row_shape]`.
   """
-  ids = grad.safe_indices()
+  # Under an Explicit mesh the global batch is gathered first (see sharding).
+  ids = _sharding.replicate_if_explicit(grad.safe_indices())
   n = ids.shape[0]
   if n == 0:
     return UniqueRows(ids, grad.values)
-  order = jnp.argsort(ids)
-  sorted_ids = ids[order]
+  # Sort the ids alone (on CPU a one-operand sort is several times faster
+  # than sorting positions along, as argsort does); slot k of the result
+  # stands for the run of equal ids that starts at k in the sorted ids, and
+  # each id finds its run's first slot by binary search.
+  sorted_ids = jnp.sort(ids)
   starts = jnp.concatenate(
       [jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
-  slot_of_sorted = jnp.cumsum(starts) - 1
   fill = jnp.asarray(grad.num_rows, ids.dtype)
-  unique_ids = jnp.full((n,), fill).at[slot_of_sorted].min(sorted_ids)
+  unique_ids = jnp.where(starts, sorted_ids, fill)
+  slot = jnp.searchsorted(sorted_ids, ids, side='left', method='scan')
+  raw = _sharding.replicate_if_explicit(grad.values)
+  # Sum bfloat16/float16 duplicates in float32 and round once at the end:
+  # a hot id repeated hundreds of times would lose most of its gradient to
+  # rounding in a 16-bit running sum.
+  wide = (jnp.float32 if jnp.issubdtype(raw.dtype, jnp.floating)
+          and jnp.finfo(raw.dtype).bits < 32 else raw.dtype)
   values = jax.ops.segment_sum(
-      grad.values[order], slot_of_sorted, num_segments=n,
-      indices_are_sorted=True)
-  # Values of out-of-range ids gathered into the sentinel's slot: zero them.
+      raw.astype(wide), slot, num_segments=n).astype(raw.dtype)
+  # Values of out-of-range ids summed into the sentinel's slot: zero them.
   keep = (unique_ids < grad.num_rows).reshape((n,) + (1,) * (values.ndim - 1))
   values = jnp.where(keep, values, jnp.zeros_like(values))
   return UniqueRows(unique_ids, values)

@@ -1,0 +1,285 @@
+"""One contender, one configuration, measured in this process.
+
+Run by `run.py` in a fresh subprocess per (contender, configuration), pinned
+to the cores it may use, so that peak resident memory and thread counts
+belong to that contender alone:
+
+    python3 benchmarks/contenders.py '{"contender": "lazy_sparse", ...}'
+
+It prints one JSON object on its last line of stdout.
+
+The model is the smallest one that exercises a train step of an embedding
+table: `loss = mean((table[ids] @ w - 1)^2)`, with a `[num_rows, row]` table
+and a `[row]` dense weight. The whole train step (lookup, backward, update)
+and the optimizer step alone (update and apply, on a gradient prepared
+beforehand) are timed separately.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import sys
+import time
+
+import numpy as np
+
+LR = 1e-3
+
+
+def _rss_mb() -> float:
+  try:
+    with open('/proc/self/statm') as f:
+      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
+  except OSError:
+    return float('nan')
+
+
+def _peak_rss_mb() -> float:
+  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def make_batches(cfg: dict) -> list[np.ndarray]:
+  """The id batches of a configuration (the same for every contender)."""
+  v, n = cfg['rows'], cfg['ids']
+  rng = np.random.default_rng(cfg.get('seed', 0))
+  if cfg['dist'] == 'zipf':
+    # Zipf(s) over ranks; ranks land on a random permutation of the rows so
+    # that hot rows are spread over the table, as hashed ids are.
+    weights = 1.0 / np.arange(1, v + 1, dtype=np.float64) ** cfg.get('zipf_s',
+                                                                     1.0)
+    cdf = np.cumsum(weights)
+    cdf /= cdf[-1]
+    perm = rng.permutation(v).astype(np.int32)
+    return [perm[np.minimum(np.searchsorted(cdf, rng.random(n)), v - 1)]
+            for _ in range(cfg['pool'])]
+  if cfg['dist'] == 'uniform':
+    return [rng.integers(0, v, n).astype(np.int32) for _ in range(cfg['pool'])]
+  raise ValueError(f'unknown id distribution {cfg["dist"]!r}')
+
+
+def _stats(samples: list[float]) -> dict:
+  a = np.asarray(samples) * 1e3
+  return {
+      'median_ms': float(np.median(a)),
+      'p10_ms': float(np.percentile(a, 10)),
+      'p90_ms': float(np.percentile(a, 90)),
+      'min_ms': float(a.min()),
+      'n': int(a.size),
+  }
+
+
+def _time_loop(step, n_batches: int, cfg: dict) -> dict:
+  """Warm-up, then time single steps until `steps` or `budget_s` is reached."""
+  for k in range(cfg['warmup']):
+    step(k % n_batches)
+  samples: list[float] = []
+  deadline = time.perf_counter() + cfg['budget_s']
+  k = 0
+  while len(samples) < cfg['steps'] and (
+      len(samples) < cfg['min_steps'] or time.perf_counter() < deadline):
+    t0 = time.perf_counter()
+    step(k % n_batches)
+    samples.append(time.perf_counter() - t0)
+    k += 1
+  return _stats(samples)
+
+
+# -- JAX contenders -----------------------------------------------------------
+
+
+def _jax_contender(cfg: dict) -> dict:
+  import functools  # pylint: disable=g-import-not-at-top
+  import jax
+  import jax.numpy as jnp
+  import optax
+  import lazy_optax
+
+  name = cfg['contender']
+  v, d = cfg['rows'], cfg['row']
+  batches = [jnp.asarray(b) for b in make_batches(cfg)]
+  rng = np.random.default_rng(1)
+  rss_base = _rss_mb()
+
+  def fresh_params():
+    table = jnp.asarray(
+        rng.random((v, d), dtype=np.float32) * np.float32(0.02) - 0.01)
+    return {'table': table, 'w': jnp.ones((d,), jnp.float32)}
+
+  def loss_fn(rows, w):
+    return jnp.mean((rows @ w - 1.0) ** 2)
+
+  sparse = name in ('lazy_sparse', 'lazy_sparse_nodonate')
+  if sparse:
+    tx = lazy_optax.lazy_adam(LR)
+  elif name == 'lazy_dense_skip':
+    tx = lazy_optax.lazy(optax.adam(LR), skip_zero_rows=True)
+  elif name == 'optax_dense':
+    tx = optax.adam(LR)
+  else:
+    raise ValueError(f'unknown JAX contender {name!r}')
+  donate = (0, 1) if name != 'lazy_sparse_nodonate' else ()
+
+  def train_step(params, state, ids):
+    if sparse:
+      rows = params['table'].at[ids].get(mode='clip')
+      loss, (g_rows, g_w) = jax.value_and_grad(loss_fn, (0, 1))(
+          rows, params['w'])
+      grads = {'table': lazy_optax.SparseRows(ids, g_rows, num_rows=v),
+               'w': g_w}
+    else:
+      loss, grads = jax.value_and_grad(
+          lambda p: loss_fn(p['table'][ids], p['w']))(params)
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state, loss
+
+  def opt_step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  result: dict = {}
+  # Whole train step.
+  params = fresh_params()
+  state = tx.init(params)
+  step_jit = jax.jit(train_step, donate_argnums=donate)
+  t0 = time.perf_counter()
+  compiled = step_jit.lower(params, state, batches[0]).compile()
+  result['compile_s'] = time.perf_counter() - t0
+  mem = compiled.memory_analysis()
+  if mem is not None:
+    result['xla_temp_mb'] = mem.temp_size_in_bytes / 2**20
+  box = [params, state]
+
+  def run_train(k):
+    p, s, loss = compiled(box[0], box[1], batches[k])
+    loss.block_until_ready()
+    box[0], box[1] = p, s
+
+  t0 = time.perf_counter()
+  run_train(0)
+  result['first_step_s'] = time.perf_counter() - t0
+  result['train'] = _time_loop(run_train, len(batches), cfg)
+  del box[:], params, state
+  gc.collect()
+  if not cfg.get('opt', True):
+    result['rss_base_mb'] = rss_base
+    return result
+
+  # Optimizer step alone, on gradients prepared beforehand.
+  params = fresh_params()
+  state = tx.init(params)
+  g_rng = np.random.default_rng(2)
+  grads_pool = []
+  for b in batches[:cfg['grad_pool']]:
+    vals = jnp.asarray(g_rng.normal(size=(b.shape[0], d)).astype(np.float32))
+    g = lazy_optax.SparseRows(b, vals, num_rows=v)
+    if not sparse:
+      g = jax.jit(lambda s: s.to_dense())(g)
+    grads_pool.append({'table': g, 'w': jnp.ones((d,), jnp.float32)})
+  opt_jit = jax.jit(opt_step, donate_argnums=donate)
+  t0 = time.perf_counter()
+  opt_compiled = opt_jit.lower(params, state, grads_pool[0]).compile()
+  result['opt_compile_s'] = time.perf_counter() - t0
+  box = [params, state]
+
+  def run_opt(k):
+    p, s = opt_compiled(box[0], box[1], grads_pool[k % len(grads_pool)])
+    jax.block_until_ready(p)
+    box[0], box[1] = p, s
+
+  result['opt'] = _time_loop(run_opt, len(grads_pool), cfg)
+  result['rss_base_mb'] = rss_base
+  return result
+
+
+# -- torch contenders ---------------------------------------------------------
+
+
+def _torch_contender(cfg: dict) -> dict:
+  import torch  # pylint: disable=g-import-not-at-top
+
+  torch.set_num_threads(cfg['threads'])
+  name = cfg['contender']
+  v, d = cfg['rows'], cfg['row']
+  sparse = name == 'torch_sparse'
+  batches = [torch.from_numpy(b.astype(np.int64)) for b in make_batches(cfg)]
+  rng = np.random.default_rng(1)
+  rss_base = _rss_mb()
+
+  def fresh_model():
+    emb = torch.nn.Embedding(v, d, sparse=sparse)
+    with torch.no_grad():
+      emb.weight.copy_(torch.from_numpy(
+          rng.random((v, d), dtype=np.float32) * np.float32(0.02) - 0.01))
+    w = torch.nn.Parameter(torch.ones(d))
+    if sparse:
+      opts = [torch.optim.SparseAdam([emb.weight], lr=LR),
+              torch.optim.Adam([w], lr=LR)]
+    else:
+      opts = [torch.optim.Adam([emb.weight, w], lr=LR)]
+    return emb, w, opts
+
+  result: dict = {}
+  emb, w, opts = fresh_model()
+
+  def run_train(k):
+    for o in opts:
+      o.zero_grad(set_to_none=True)
+    loss = ((emb(batches[k]) @ w - 1.0) ** 2).mean()
+    loss.backward()
+    for o in opts:
+      o.step()
+
+  t0 = time.perf_counter()
+  run_train(0)
+  result['first_step_s'] = time.perf_counter() - t0
+  result['compile_s'] = 0.0
+  result['train'] = _time_loop(run_train, len(batches), cfg)
+  del emb, w, opts
+  gc.collect()
+  if not cfg.get('opt', True):
+    result['rss_base_mb'] = rss_base
+    return result
+
+  emb, w, opts = fresh_model()
+  g_rng = np.random.default_rng(2)
+  grads_pool = []
+  for b in batches[:cfg['grad_pool']]:
+    vals = torch.from_numpy(g_rng.normal(size=(b.shape[0], d)).astype(
+        np.float32))
+    g = torch.sparse_coo_tensor(b[None], vals, (v, d))  # uncoalesced
+    grads_pool.append(g if sparse else g.to_dense())
+  w_grad = torch.ones(d)
+
+  def run_opt(k):
+    emb.weight.grad = grads_pool[k % len(grads_pool)]
+    w.grad = w_grad
+    for o in opts:
+      o.step()
+
+  result['opt'] = _time_loop(run_opt, len(grads_pool), cfg)
+  result['rss_base_mb'] = rss_base
+  return result
+
+
+def main() -> None:
+  cfg = json.loads(sys.argv[1])
+  if cfg['contender'].startswith('torch'):
+    try:
+      import torch  # pylint: disable=g-import-not-at-top,unused-import
+    except ImportError:
+      print(json.dumps({'skipped': 'torch is not installed (pip install '
+                                   "-e '.[bench]')"}))
+      return
+    result = _torch_contender(cfg)
+  else:
+    result = _jax_contender(cfg)
+  result['peak_rss_mb'] = _peak_rss_mb()
+  result['cpus'] = sorted(os.sched_getaffinity(0))
+  print(json.dumps(result))
+
+
+if __name__ == '__main__':
+  main()

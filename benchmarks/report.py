@@ -1,0 +1,285 @@
+"""Markdown tables, target ratios and PNG plots from a `results.json`.
+
+    python3 benchmarks/report.py benchmarks/results/full/results.json
+
+`run.py` calls `write` at the end of a run; this script redraws the report
+from a saved JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+LABELS = {
+    'lazy_sparse': 'lazy_optax lazy_adam, SparseRows (jit, donated)',
+    'lazy_sparse_nodonate': 'lazy_optax lazy_adam, SparseRows, NOT donated',
+    'lazy_dense_skip': 'lazy_optax lazy(adam, skip_zero_rows), dense grad',
+    'optax_dense': 'optax.adam, dense grad (jit, donated)',
+    'torch_sparse': 'torch SparseAdam, Embedding(sparse=True)',
+    'torch_dense': 'torch Adam, dense Embedding',
+}
+ORDER = tuple(LABELS)
+TARGET = {'rows': 1_000_000, 'row': 64, 'ids': 4096, 'dist': 'zipf'}
+
+
+def _key(r: dict) -> tuple:
+  return (r['rows'], r['row'], r['ids'], r['dist'])
+
+
+def _median_over_rounds(runs: list[dict], part: str) -> dict | None:
+  """Median over rounds of each round's median (and of its p10, p90)."""
+  got = [r[part] for r in runs if part in r]
+  if not got:
+    return None
+  return {k: float(np.median([g[k] for g in got]))
+          for k in ('median_ms', 'p10_ms', 'p90_ms')}
+
+
+def _select(results: dict, **want) -> list[dict]:
+  return [r for r in results['runs']
+          if all(r.get(k) == v for k, v in want.items())]
+
+
+def _floor(results: dict, key: tuple) -> float | None:
+  for f in results.get('floors', []):
+    if _key(f) == key and 'floor_ms' in f:
+      return f['floor_ms']
+  return None
+
+
+def _fmt(stats: dict | None) -> str:
+  if not stats:
+    return 'n/a'
+  return (f'{stats["median_ms"]:.3g} ({stats["p10_ms"]:.3g} to '
+          f'{stats["p90_ms"]:.3g})')
+
+
+def _train(results: dict, contender: str, **cfg) -> float | None:
+  runs = _select(results, contender=contender, **cfg)
+  stats = _median_over_rounds(runs, 'train')
+  return stats['median_ms'] if stats else None
+
+
+def ratios(results: dict) -> list[tuple[str, float | None, str]]:
+  """(what, value, goal) for every target of the issue that the run covers."""
+  out = []
+  floor = _floor(results, _key(TARGET))
+  for threads in (1, 2):
+    cfg = dict(TARGET, threads=threads, sweep='target')
+    lazy = _train(results, 'lazy_sparse', **cfg)
+    if lazy is None:
+      continue
+
+    def ratio(other, lazy=lazy, cfg=cfg):
+      t = _train(results, other, **cfg)
+      return None if t is None else t / lazy
+
+    out.append((f'{threads} thread(s): optax.adam train step / lazy_adam',
+                ratio('optax_dense'), '>= 50'))
+    out.append((f'{threads} thread(s): torch SparseAdam train step / '
+                'lazy_adam', ratio('torch_sparse'), '>= 1.5'))
+    out.append((f'{threads} thread(s): lazy_adam / memory-traffic floor',
+                None if floor is None else lazy / floor, '<= 2'))
+    out.append((f'{threads} thread(s): NOT donated / donated lazy_adam',
+                ratio('lazy_sparse_nodonate'), '(cost of no donation)'))
+    out.append((f'{threads} thread(s): torch dense Adam / lazy_adam',
+                ratio('torch_dense'), '(info)'))
+    out.append((f'{threads} thread(s): lazy skip_zero_rows (dense grad) / '
+                'lazy_adam', ratio('lazy_dense_skip'), '(info)'))
+  small = _train(results, 'lazy_sparse', rows=10_000, row=64, ids=4096,
+                 dist='zipf', threads=1, sweep='rows')
+  big = _train(results, 'lazy_sparse', rows=4_000_000, row=64, ids=4096,
+               dist='zipf', threads=1, sweep='rows')
+  if small and big:
+    out.append(('1 thread: lazy_adam at 4,000,000 rows / at 10,000 rows',
+                big / small, '<= 1.5'))
+  return out
+
+
+def _target_table(results: dict, threads: int) -> list[str]:
+  lines = [
+      f'| contender ({threads} thread{"s" if threads > 1 else ""}) | '
+      'train step ms, median (p10 to p90) | optimizer step alone ms | '
+      'compile s | peak RSS MB |',
+      '| --- | --- | --- | --- | --- |']
+  cfg = dict(TARGET, threads=threads, sweep='target')
+  for c in ORDER:
+    runs = [r for r in _select(results, contender=c, **cfg)
+            if 'train' in r or 'skipped' in r or 'error' in r]
+    if not runs:
+      continue
+    if 'train' not in runs[0]:
+      note = runs[0].get('skipped') or runs[0].get('error')
+      lines.append(f'| {LABELS[c]} | {note} | | | |')
+      continue
+    compile_s = np.median([r['compile_s'] for r in runs if 'compile_s' in r])
+    rss = max(r['peak_rss_mb'] for r in runs if 'peak_rss_mb' in r)
+    compile_txt = f'{compile_s:.2f}' if compile_s else '(eager)'
+    lines.append(
+        f'| {LABELS[c]} | {_fmt(_median_over_rounds(runs, "train"))} | '
+        f'{_fmt(_median_over_rounds(runs, "opt"))} | {compile_txt} | '
+        f'{rss:.0f} |')
+  return lines
+
+
+_SWEEPS = (('rows', 'table rows'), ('ids', 'ids per batch'),
+           ('row', 'floats per row'))
+
+
+def _sweep_points(results: dict, sweep: str, key: str, dist: str,
+                  contender: str) -> list[tuple[int, dict]]:
+  pts = {}
+  for r in results['runs']:
+    if (r['contender'] != contender or r['dist'] != dist
+        or r['threads'] != 1 or 'train' not in r):
+      continue
+    others = {k: v for k, v in TARGET.items() if k not in (key, 'dist')}
+    if any(r[k] != v for k, v in others.items()):
+      continue
+    if r['sweep'] not in (sweep, 'target') and not (
+        sweep != 'rows' and r['sweep'] == 'rows'):
+      continue
+    pts.setdefault(r[key], []).append(r)
+  return sorted((x, _median_over_rounds(rs, 'train')) for x, rs in pts.items())
+
+
+def _sweep_tables(results: dict) -> list[str]:
+  lines = []
+  for dist in ('zipf', 'uniform'):
+    for sweep, title in _SWEEPS:
+      cols = [c for c in ORDER
+              if _sweep_points(results, sweep, sweep, dist, c)]
+      xs = sorted({x for c in cols
+                   for x, _ in _sweep_points(results, sweep, sweep, dist, c)})
+      if len(xs) < 2:
+        continue
+      lines += ['', f'Train step ms (median), {dist} ids, against {title} '
+                '(others as the target configuration; 1 thread):', '',
+                f'| {title} | ' + ' | '.join(cols) + ' |',
+                '| --- |' + ' --- |' * len(cols)]
+      for x in xs:
+        cells = []
+        for c in cols:
+          d = dict(_sweep_points(results, sweep, sweep, dist, c))
+          cells.append(f'{d[x]["median_ms"]:.3g}' if x in d else '')
+        lines.append(f'| {x:,} | ' + ' | '.join(cells) + ' |')
+  return lines
+
+
+def _plots(results: dict, out: str) -> list[str]:
+  try:
+    import matplotlib  # pylint: disable=g-import-not-at-top
+    matplotlib.use('Agg')
+    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return []
+  written = []
+  # Target configuration: bars per contender, 1 and 2 threads.
+  fig, ax = plt.subplots(figsize=(9, 4.5))
+  width = 0.38
+  for j, threads in enumerate((1, 2)):
+    cfg = dict(TARGET, threads=threads, sweep='target')
+    vals, errs = [], [[], []]
+    for c in ORDER:
+      s = _median_over_rounds(_select(results, contender=c, **cfg), 'train')
+      vals.append(s['median_ms'] if s else math.nan)
+      errs[0].append(s['median_ms'] - s['p10_ms'] if s else 0)
+      errs[1].append(s['p90_ms'] - s['median_ms'] if s else 0)
+    if all(math.isnan(v) for v in vals):
+      continue
+    ax.bar(np.arange(len(ORDER)) + (j - 0.5) * width, vals, width,
+           yerr=errs, capsize=3, label=f'{threads} thread(s)')
+  floor = _floor(results, _key(TARGET))
+  if floor:
+    ax.axhline(floor, color='k', ls=':', lw=1,
+               label=f'memory-traffic floor {floor:.2f} ms')
+  ax.set_yscale('log')
+  ax.set_xticks(np.arange(len(ORDER)))
+  ax.set_xticklabels([c.replace('_', '\n') for c in ORDER], fontsize=8)
+  ax.set_ylabel('train step, ms (median, p10 to p90)')
+  ax.set_title('1,000,000 x 64 float32 table, 4,096 Zipf ids per step')
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  name = 'target.png'
+  fig.savefig(os.path.join(out, name), dpi=110)
+  plt.close(fig)
+  written.append(name)
+  # Sweeps.
+  have = [(s, t) for s, t in _SWEEPS
+          if len(_sweep_points(results, s, s, 'zipf', 'lazy_sparse')) > 1]
+  if have:
+    fig, axes = plt.subplots(len(have), 2, figsize=(11, 3.6 * len(have)),
+                             squeeze=False)
+    for i, (sweep, title) in enumerate(have):
+      for j, dist in enumerate(('zipf', 'uniform')):
+        ax = axes[i][j]
+        for c in ORDER:
+          pts = _sweep_points(results, sweep, sweep, dist, c)
+          if len(pts) < 2:
+            continue
+          xs = [x for x, _ in pts]
+          med = np.array([s['median_ms'] for _, s in pts])
+          lo = med - np.array([s['p10_ms'] for _, s in pts])
+          hi = np.array([s['p90_ms'] for _, s in pts]) - med
+          ax.errorbar(xs, med, yerr=[lo, hi], marker='o', ms=3, capsize=2,
+                      label=c)
+        ax.set_xscale('log')
+        ax.set_yscale('log')
+        ax.set_xlabel(title)
+        ax.set_ylabel('train step ms')
+        ax.set_title(f'{dist} ids, 1 thread', fontsize=9)
+        ax.grid(True, which='both', alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    name = 'sweeps.png'
+    fig.savefig(os.path.join(out, name), dpi=110)
+    plt.close(fig)
+    written.append(name)
+  return written
+
+
+def write(results: dict, out: str) -> str:
+  """Writes `results.md` and the plots into `out`; returns the Markdown."""
+  lines = [f'# lazy_optax benchmark ({results["mode"]} mode)', '',
+           f'Started {results["started"]}, {results["cpus"]} CPUs, load '
+           f'average before {results["load_before"][0]:.2f}, after '
+           f'{results.get("load_after", [math.nan])[0]:.2f}; '
+           f'{results.get("elapsed_s", math.nan):.0f} s in all.', '',
+           '## Targets (1,000,000 x 64 float32, 4,096 Zipf ids, whole train '
+           'step)', '', '| ratio | measured | goal |', '| --- | --- | --- |']
+  for what, value, goal in ratios(results):
+    lines.append(f'| {what} | '
+                 f'{"n/a" if value is None else f"{value:.2f}"} | {goal} |')
+  floor = next((f for f in results.get('floors', [])
+                if _key(f) == _key(TARGET) and 'floor_ms' in f), None)
+  if floor:
+    lines += ['', f'Memory-traffic floor: {floor["floor_ms"]:.3f} ms '
+              f'({floor["bytes_read"] / 1e6:.2f} MB of rows read at '
+              f'{floor["gather_gb_s"]:.2f} GB/s, '
+              f'{floor["bytes_written"] / 1e6:.2f} MB written at '
+              f'{floor["scatter_gb_s"]:.2f} GB/s; '
+              f'{floor["unique_rows"]:.0f} distinct rows a batch).']
+  for threads in (1, 2):
+    table = _target_table(results, threads)
+    if len(table) > 2:
+      lines += ['', *table]
+  lines += _sweep_tables(results)
+  plots = _plots(results, out)
+  if plots:
+    lines += [''] + [f'![{p}]({p})' for p in plots]
+  text = '\n'.join(lines) + '\n'
+  with open(os.path.join(out, 'results.md'), 'w') as f:
+    f.write(text)
+  return text
+
+
+if __name__ == '__main__':
+  path = sys.argv[1]
+  with open(path) as f:
+    data = json.load(f)
+  print(write(data, os.path.dirname(os.path.abspath(path))))

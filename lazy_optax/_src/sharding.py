@@ -1,0 +1,182 @@
+"""Shardings for optimizer states whose tables are split across devices.
+
+lazy_optax adds no communication of its own: a train step with row-sharded
+tables is the ordinary step under `jax.jit`, and XLA's partitioner turns the
+gathers and scatters of touched rows into batch-sized collectives. What a
+user needs is the state's shardings, so that `mu`, `nu` (and any other leaf
+that mirrors a parameter) live on the same devices as the parameter's rows
+and keep those shardings from step to step. `state_shardings` derives them
+from the parameters with optax's own `tree_utils.tree_map_params`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax
+import optax
+
+
+def _explicit_mesh(x: Any) -> Any:
+  """The abstract mesh of `x`'s type when it has Explicit axes, else None."""
+  typeof = getattr(jax, 'typeof', None)  # JAX versions before Explicit axes
+  if typeof is None:
+    return None
+  try:
+    sharding = getattr(typeof(x), 'sharding', None)
+  except TypeError:
+    return None
+  mesh = getattr(sharding, 'mesh', None)
+  if mesh is None or mesh.empty or not getattr(mesh, 'explicit_axes', ()):
+    return None
+  return mesh
+
+
+def replicate_if_explicit(x: jax.Array) -> jax.Array:
+  """`x` resharded to replicated when its type carries Explicit sharding.
+
+  Deduplicating a batch is about the global batch (ids that arrive on
+  different data shards are summed), so under an Explicit mesh the ids and
+  their rows are gathered to every device first: batch-sized traffic. Under
+  Auto axes (or no mesh) `x` is returned as it is and XLA's partitioner
+  decides.
+  """
+  mesh = _explicit_mesh(x)
+  if mesh is None:
+    return x
+  return jax.sharding.reshard(
+      x, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+def gather_kwargs(table: jax.Array) -> dict[str, Any]:
+  """Keyword arguments for `table.at[ids].get`: replicated rows if Explicit."""
+  mesh = _explicit_mesh(table)
+  if mesh is None:
+    return {}
+  return {'out_sharding': jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec())}
+
+
+def scatter_kwargs(table: jax.Array) -> dict[str, Any]:
+  """Keyword arguments for `table.at[ids].set/add`: keep `table`'s sharding."""
+  if _explicit_mesh(table) is None:
+    return {}
+  return {'out_sharding': jax.typeof(table).sharding}
+
+
+def _sharding_of(x: Any) -> Any:
+  sharding = getattr(x, 'sharding', None)
+  if sharding is None:
+    raise ValueError(
+        f'Parameter leaf {type(x).__name__} has no sharding: pass committed '
+        'jax.Arrays (jax.device_put(x, sharding)) or give param_shardings.')
+  return sharding
+
+
+def _mesh_of(shardings: Any) -> Optional[jax.sharding.Mesh]:
+  for s in jax.tree.leaves(shardings):
+    if isinstance(s, jax.sharding.NamedSharding):
+      return s.mesh
+  return None
+
+
+def state_shardings(
+    tx: optax.GradientTransformation,
+    params: Any,
+    param_shardings: Optional[Any] = None,
+    *,
+    replicated: Optional[jax.sharding.Sharding] = None,
+) -> Any:
+  """Shardings for `tx.init(params)` that follow the parameters' shardings.
+
+  Every state leaf that mirrors a parameter (`mu`, `nu`, traces,
+  accumulators) gets that parameter's sharding, so a row-sharded table keeps
+  its moments' rows on the devices that hold its own rows; every other leaf
+  (`count`, hyperparameters) is replicated. Use the result as
+  `out_shardings` of a jitted `tx.init` (or see `init_sharded`) and as the
+  state's shardings of a train step.
+
+  Args:
+    tx: the optimizer, for example `lazy_optax.lazy_adam(1e-3)`.
+    params: the parameters (arrays or `jax.ShapeDtypeStruct`s).
+    param_shardings: a tree of `jax.sharding.Sharding`s with the structure of
+      `params`; defaults to the `.sharding` of each parameter.
+    replicated: the sharding of non-parameter leaves; defaults to a fully
+      replicated `NamedSharding` over the parameters' mesh.
+
+  Returns:
+    A tree of shardings with the structure of `tx.init(params)`.
+
+  Raises:
+    ValueError: when shardings are missing, or no mesh is known for the
+      replicated leaves.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> import lazy_optax
+    >>> mesh = jax.make_mesh((1,), ('rows',))
+    >>> params = {'table': jax.device_put(jnp.zeros((8, 2)),
+    ...                                   NamedSharding(mesh, P('rows')))}
+    >>> shardings = lazy_optax.state_shardings(lazy_optax.lazy_adam(1e-3),
+    ...                                        params)
+    >>> shardings[0].mu['table'].spec, shardings[0].count.spec
+    (P('rows',), P())
+  """
+  if param_shardings is None:
+    param_shardings = jax.tree.map(_sharding_of, params)
+  else:
+    try:
+      jax.tree.structure(params).flatten_up_to(param_shardings)
+    except (ValueError, TypeError) as e:
+      raise ValueError(
+          'param_shardings must have the tree structure of params.') from e
+  if replicated is None:
+    mesh = _mesh_of(param_shardings)
+    if mesh is None:
+      raise ValueError(
+          'state_shardings: no NamedSharding among the parameters, so no mesh '
+          'to replicate the non-parameter state leaves over: pass '
+          '`replicated=`.')
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  state_shapes = jax.eval_shape(tx.init, params)
+  return optax.tree_utils.tree_map_params(
+      tx,
+      lambda _, sharding: sharding,
+      state_shapes,
+      param_shardings,
+      transform_non_params=lambda _: replicated,
+  )
+
+
+def init_sharded(
+    tx: optax.GradientTransformation,
+    params: Any,
+    param_shardings: Optional[Any] = None,
+) -> Any:
+  """`tx.init(params)`, built directly in the shardings of `state_shardings`.
+
+  Each device allocates only its own rows of `mu` and `nu`: the whole state
+  never exists on one device.
+
+  Args:
+    tx: the optimizer.
+    params: the parameters, sharded (or with `param_shardings` given).
+    param_shardings: as in `state_shardings`.
+
+  Returns:
+    The optimizer state, with the shardings of `state_shardings`.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from jax.sharding import NamedSharding, PartitionSpec as P
+    >>> import lazy_optax
+    >>> mesh = jax.make_mesh((1,), ('rows',))
+    >>> params = {'table': jax.device_put(jnp.zeros((8, 2)),
+    ...                                   NamedSharding(mesh, P('rows')))}
+    >>> state = lazy_optax.init_sharded(lazy_optax.lazy_adam(1e-3), params)
+    >>> state[0].nu['table'].sharding.spec
+    P('rows',)
+  """
+  shardings = state_shardings(tx, params, param_shardings)
+  return jax.jit(tx.init, out_shardings=shardings)(params)
