@@ -84,3 +84,17 @@ def test_state_shardings_errors():
     lazy_optax.state_shardings(tx, {'t': jnp.zeros((4, 2))}, {'u': None})
   with pytest.raises(ValueError, match='has no sharding'):
     lazy_optax.state_shardings(tx, {'t': np.zeros((4, 2))})
+
+
+def test_per_row_state_leaves_get_the_row_split():
+  # row_adam keeps [num_rows] counters beside [num_rows, D] moments: they take
+  # the table's row split and drop the column part of its spec.
+  mesh = jax.make_mesh((1,), ('rows',))
+  table = jax.device_put(jnp.zeros((8, 2)), NamedSharding(mesh, P('rows', None)))
+  tx = lazy_optax.row_adam(1e-3)
+  state = lazy_optax.init_sharded(tx, {'table': table})
+  row_count = optax.tree_utils.tree_get(state, 'row_count')['table']
+  assert row_count.shape == (8,)
+  assert row_count.sharding.spec == P('rows')
+  assert optax.tree_utils.tree_get(state, 'mu')['table'].sharding.spec == P(
+      'rows', None)

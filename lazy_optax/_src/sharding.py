@@ -80,6 +80,20 @@ def _mesh_of(shardings: Any) -> Optional[jax.sharding.Mesh]:
   return None
 
 
+def _follow_rows(leaf: Any, sharding: Any) -> Any:
+  """The parameter's sharding, cut to the rank of a per-row state leaf.
+
+  Per-row leaves (a `[num_rows]` step counter for a `[num_rows, D]` table)
+  keep the split of the rows and drop the rest of the spec.
+  """
+  ndim = len(getattr(leaf, 'shape', ()))
+  if (isinstance(sharding, jax.sharding.NamedSharding)
+      and len(sharding.spec) > ndim):
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(*sharding.spec[:ndim]))
+  return sharding
+
+
 def state_shardings(
     tx: optax.GradientTransformation,
     params: Any,
@@ -142,7 +156,7 @@ def state_shardings(
   state_shapes = jax.eval_shape(tx.init, params)
   return optax.tree_utils.tree_map_params(
       tx,
-      lambda _, sharding: sharding,
+      _follow_rows,
       state_shapes,
       param_shardings,
       transform_non_params=lambda _: replicated,
