@@ -46,15 +46,18 @@ PAD = 12  # every batch is padded to this many slots with out-of-range ids
 # one-row table in the first layout) and 2 ('r2'), each rank once in float32
 # and once in bfloat16 (one compiled step per optimizer and layout keeps the
 # CI run short); PAD ids exceed every table.
+# Each layout also has a parameter with a dense gradient, DENSE, which takes
+# the dense rule (every row touched) in the same step.
+DENSE = 'dense'
 LAYOUTS = [
     {'r0': ((7,), 'float32'), 'r1': ((1, 3), 'bfloat16'),
-     'r2': ((5, 2, 3), 'float32')},
+     'r2': ((5, 2, 3), 'float32'), DENSE: ((4,), 'float32')},
     {'r0': ((3,), 'bfloat16'), 'r1': ((9, 2), 'float32'),
-     'r2': ((2, 1, 4), 'bfloat16')},
+     'r2': ((2, 1, 4), 'bfloat16'), DENSE: ((2, 2), 'float32')},
 ]
 if PROFILE != 'ci':
   LAYOUTS.append({'r0': ((11,), 'float32'), 'r1': ((4, 5), 'float32'),
-                  'r2': ((1, 3, 2), 'bfloat16')})
+                  'r2': ((1, 3, 2), 'bfloat16'), DENSE: ((3,), 'bfloat16')})
 
 OPTIMIZERS = {
     'lazy_adam': lambda: lazy_optax.lazy_adam(LR),
@@ -155,7 +158,7 @@ def _compiled(opt, layout):
 
   @jax.jit
   def step(params, state, ids, values):
-    grads = {k: SparseRows(ids[k], values[k], s[0])
+    grads = {k: values[k] if k == DENSE else SparseRows(ids[k], values[k], s[0])
              for k, (s, _) in tables.items()}
     updates, state = tx.update(grads, state, params)
     return lazy_optax.apply_updates(params, updates), state
@@ -214,8 +217,8 @@ def _cases(draw):
   layout = draw(st.integers(0, len(LAYOUTS) - 1))
   tables = LAYOUTS[layout]
   steps = draw(st.integers(1, 4))
-  batches = [{k: draw(_batch(s[0])) for k, (s, _) in tables.items()}
-             for _ in range(steps)]
+  batches = [{k: (list(range(s[0])) if k == DENSE else draw(_batch(s[0])))
+              for k, (s, _) in tables.items()} for _ in range(steps)]
   return dict(opt=draw(st.sampled_from(sorted(OPTIMIZERS))), layout=layout,
               batches=batches, seed=draw(st.integers(0, 2**31 - 1)))
 
@@ -241,7 +244,7 @@ def test_touched_rows_follow_the_rule_untouched_rows_do_not_move(case):
 
   for t, batch in enumerate(case['batches'], start=1):
     ids = {k: np.asarray(batch[k], np.int32) for k in tables}
-    values = {k: _round(rng.normal(size=(PAD, *s[1:])), d)
+    values = {k: _round(rng.normal(size=(len(ids[k]), *s[1:])), d)
               for k, (s, d) in tables.items()}
     new_params, new_state = step(
         params, state, {k: jnp.asarray(v) for k, v in ids.items()},
