@@ -1,19 +1,20 @@
 """Property-based tests of the lazy rule against float64 numpy models.
 
-Hypothesis draws the optimizer, a layout of tables (rows of rank 0, 1 and 2,
-each in float32 in one layout and bfloat16 in the other, a one-row table),
-the number of steps, and for every step and table a batch: its size (up to
-larger than the table), its id distribution (one id repeated, all distinct,
-heavy duplicates, only the first and last rows, uniform), its values, and
-out-of-range padding ids (negative ones too), which under jit must touch no
-row. Each step is checked against a float64 numpy model of the
-optimizer's rule: the touched rows follow the rule, every row the step did not
-touch is bit-for-bit unchanged in the parameters and in every state leaf that
-mirrors them, and `count` advances once per step.
+For every optimizer, Hypothesis draws a layout of parameters (tables with
+rows of rank 0, 1 and 2, each in float32 in one layout and bfloat16 in the
+other, a one-row table, and a parameter with a dense gradient), the number of
+steps, and for every step and table a batch: its size (up to larger than the
+table), its id distribution (one id repeated, all distinct, heavy duplicates,
+only the first and last rows, uniform), its values, and out-of-range padding
+ids (negative ones too), which under jit must touch no row. Each step is
+checked against a float64 numpy model of the optimizer's rule: the touched
+rows follow the rule, every row the step did not touch is bit-for-bit
+unchanged in the parameters and in every state leaf that mirrors them, and
+`count` advances once per step.
 
-Profiles: `LAZY_OPTAX_HYPOTHESIS_PROFILE=ci` (the default: a fixed,
-derandomized set of examples, bounded for CI) or `dev` (many more examples and
-one more table layout, for local runs).
+Profiles: `LAZY_OPTAX_HYPOTHESIS_PROFILE=ci` (the default: 25 derandomized
+examples per optimizer, bounded for CI) or `dev` (300 random examples per
+optimizer and one more layout, for local runs).
 """
 
 import functools
@@ -32,10 +33,10 @@ from lazy_optax import SparseRows
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile(
-    'lazy_optax_ci', max_examples=150, derandomize=True, deadline=None,
+    'lazy_optax_ci', max_examples=25, derandomize=True, deadline=None,
     database=None, suppress_health_check=_HEALTH, print_blob=True)
 settings.register_profile(
-    'lazy_optax_dev', max_examples=2000, deadline=None,
+    'lazy_optax_dev', max_examples=300, deadline=None,
     suppress_health_check=_HEALTH, print_blob=True)
 PROFILE = os.environ.get('LAZY_OPTAX_HYPOTHESIS_PROFILE', 'ci')
 SETTINGS = settings.get_profile(f'lazy_optax_{PROFILE}')
@@ -219,8 +220,8 @@ def _cases(draw):
   steps = draw(st.integers(1, 4))
   batches = [{k: (list(range(s[0])) if k == DENSE else draw(_batch(s[0])))
               for k, (s, _) in tables.items()} for _ in range(steps)]
-  return dict(opt=draw(st.sampled_from(sorted(OPTIMIZERS))), layout=layout,
-              batches=batches, seed=draw(st.integers(0, 2**31 - 1)))
+  return dict(layout=layout, batches=batches,
+              seed=draw(st.integers(0, 2**31 - 1)))
 
 
 # -- the properties -----------------------------------------------------------
@@ -232,10 +233,11 @@ def _tolerance(dtype, p):
   return dict(rtol=0, atol=2**-6 * (1 + np.max(np.abs(p), initial=0)))
 
 
+@pytest.mark.parametrize('opt', sorted(OPTIMIZERS))
 @SETTINGS
 @given(case=_cases())
-def test_touched_rows_follow_the_rule_untouched_rows_do_not_move(case):
-  opt, tables = case['opt'], LAYOUTS[case['layout']]
+def test_touched_rows_follow_the_rule_untouched_rows_do_not_move(opt, case):
+  tables = LAYOUTS[case['layout']]
   state, step = _compiled(opt, case['layout'])
   rng = np.random.default_rng(case['seed'])
   start = {k: _round(rng.normal(size=s), d) for k, (s, d) in tables.items()}
@@ -269,8 +271,11 @@ def test_touched_rows_follow_the_rule_untouched_rows_do_not_move(case):
         state_rows = dict(_mirrors(new_state, k))
         for name, model in models[k].s.items():
           leaf = _state_leaf(state_rows, opt, name)
+          # float32 sums of duplicate ids may cancel: allow their rounding,
+          # a few ulps of the leaf's scale.
+          scale = np.max(np.abs(model), initial=0)
           np.testing.assert_allclose(leaf[touched], model[touched],
-                                     rtol=1e-4, atol=1e-7,
+                                     rtol=1e-4, atol=4e-6 * scale,
                                      err_msg=f'{opt}: {name} of {k}, step {t}')
     assert all(c == t for c in _counts(new_state)), _counts(new_state)
     params, state = new_params, new_state
