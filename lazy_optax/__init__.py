@@ -7,23 +7,23 @@ from lazy_optax._src.adam import ScaleByLazyAdamState
 from lazy_optax._src.adam import ScaleByLazyAMSGradState
 from lazy_optax._src.apply import apply_updates
 from lazy_optax._src.checks import check_ids_in_range
-from lazy_optax._src.checks import CheckError
 from lazy_optax._src.checks import checked
+from lazy_optax._src.checks import CheckError
 from lazy_optax._src.checks import with_id_checks
 from lazy_optax._src.grads import lookup
 from lazy_optax._src.grads import value_and_grad
-from lazy_optax._src.labels import path_labels
-from lazy_optax._src.labels import path_name
-from lazy_optax._src.lazy import lazy
-from lazy_optax._src.sharding import init_sharded
-from lazy_optax._src.sharding import state_shardings
 from lazy_optax._src.keras_clipping import clipnorm
 from lazy_optax._src.keras_clipping import clipvalue
 from lazy_optax._src.keras_clipping import global_clipnorm
+from lazy_optax._src.labels import path_labels
+from lazy_optax._src.labels import path_name
+from lazy_optax._src.lazy import lazy
 from lazy_optax._src.per_pattern import per_pattern_lr
 from lazy_optax._src.row_adam import row_adam
 from lazy_optax._src.row_adam import scale_by_row_adam
 from lazy_optax._src.row_adam import ScaleByRowAdamState
+from lazy_optax._src.sharding import init_sharded
+from lazy_optax._src.sharding import state_shardings
 from lazy_optax._src.slots import get_slot
 from lazy_optax._src.slots import get_slot_names
 from lazy_optax._src.slots import global_step
@@ -34,34 +34,34 @@ from lazy_optax._src.sparse_rows import SparseRows
 __version__ = '0.1.0'
 
 __all__ = (
-    'SparseRows',
-    'ScaleByLazyAMSGradState',
-    'ScaleByLazyAdamState',
     'apply_updates',
-    'CheckError',
     'check_ids_in_range',
     'checked',
-    'with_id_checks',
-    'deduplicate',
-    'is_sparse_rows',
-    'init_sharded',
-    'lazy',
-    'path_labels',
-    'path_name',
-    'lazy_adam',
-    'lazy_adamw',
-    'lookup',
-    'scale_by_lazy_adam',
-    'value_and_grad',
-    'state_shardings',
-    'ScaleByRowAdamState',
+    'CheckError',
     'clipnorm',
     'clipvalue',
+    'deduplicate',
     'get_slot',
     'get_slot_names',
     'global_clipnorm',
     'global_step',
+    'init_sharded',
+    'is_sparse_rows',
+    'lazy',
+    'lazy_adam',
+    'lazy_adamw',
+    'lookup',
+    'path_labels',
+    'path_name',
     'per_pattern_lr',
     'row_adam',
+    'scale_by_lazy_adam',
     'scale_by_row_adam',
+    'ScaleByLazyAdamState',
+    'ScaleByLazyAMSGradState',
+    'ScaleByRowAdamState',
+    'SparseRows',
+    'state_shardings',
+    'value_and_grad',
+    'with_id_checks',
 )
