@@ -7,40 +7,21 @@ rows stand for. Keras clipped an `IndexedSlices` before summing duplicates,
 which measures a different, batch-layout dependent quantity.
 
 They can run before a lazy optimizer (`optax.chain(clipnorm(1.0),
-lazy_adam(1e-3))`) or inside `lazy(...)`, where they see the deduplicated row
-blocks (`lazy(optax.chain(clipnorm(1.0), optax.adam(1e-3)))`); the latter
-deduplicates once instead of twice. `optax.clip_by_global_norm` itself must
+lazy_adam(1e-3))`) or inside `lazy(...)`
+(`lazy(optax.chain(clipnorm(1.0), optax.adam(1e-3)))`); the latter
+deduplicates once instead of twice. Each is a plain rule on dense arrays under
+`lazy(...)`, which does the deduplication. `optax.clip_by_global_norm` itself must
 not run outside `lazy(...)` on `SparseRows`: it would treat the ids as
 numbers.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 import optax
 
-from lazy_optax._src.sparse_rows import SparseRows, deduplicate, is_sparse_rows
-
-
-def _dedup(g: Any) -> Any:
-  """A `SparseRows` with one slot per distinct id (unused slots zero)."""
-  if isinstance(g, SparseRows):
-    unique = deduplicate(g)
-    return SparseRows.from_unique(unique.ids, unique.values, g.num_rows)
-  return g
-
-
-def _values(g: Any) -> jax.Array:
-  return g.values if isinstance(g, SparseRows) else g
-
-
-def _with_values(g: Any, values: jax.Array) -> Any:
-  if isinstance(g, SparseRows):
-    return SparseRows.from_unique(g.indices, values, g.num_rows)
-  return values
+from lazy_optax._src.lazy import lazy
 
 
 def _sum_of_squares(x: jax.Array) -> jax.Array:
@@ -48,12 +29,32 @@ def _sum_of_squares(x: jax.Array) -> jax.Array:
   return jnp.sum(x * x)
 
 
+def _scaled(v: jax.Array, scale: jax.Array) -> jax.Array:
+  return (v * scale).astype(v.dtype)
+
+
+def _stateless(per_tree) -> optax.GradientTransformationExtraArgs:
+  """A stateless rule on dense (row-block) trees, made lazy.
+
+  `lazy(...)` deduplicates each `SparseRows` and hands the rule its summed
+  rows (unused slots hold zeros), so norms and clipped values are those of
+  the dense gradient the rows stand for.
+  """
+
+  def update_fn(updates, state, params=None):
+    del params
+    return per_tree(updates), state
+
+  return lazy(optax.GradientTransformation(
+      lambda params: optax.EmptyState(), update_fn))
+
+
 def _check_positive(value: float, what: str) -> None:
   if not isinstance(value, jax.Array) and not value > 0:
     raise ValueError(f'{what} must be > 0, got {value!r}.')
 
 
-def clipnorm(max_norm: float) -> optax.GradientTransformation:
+def clipnorm(max_norm: float) -> optax.GradientTransformationExtraArgs:
   """Keras' `clipnorm`: each gradient leaf clipped to L2 norm `max_norm`.
 
   `g <- g * max_norm / max(||g||, max_norm)` per leaf, as
@@ -64,7 +65,7 @@ def clipnorm(max_norm: float) -> optax.GradientTransformation:
     max_norm: the largest L2 norm a leaf keeps.
 
   Returns:
-    A stateless `optax.GradientTransformation`.
+    A stateless lazy transformation (`SparseRows` in, `SparseRows` out).
 
   Example:
     >>> import jax.numpy as jnp
@@ -78,23 +79,14 @@ def clipnorm(max_norm: float) -> optax.GradientTransformation:
   """
   _check_positive(max_norm, 'clipnorm: max_norm')
 
-  def update_fn(updates, state, params=None):
-    del params
+  def clip(v):
+    norm = jnp.sqrt(_sum_of_squares(v))
+    return _scaled(v, max_norm / jnp.maximum(norm, max_norm))
 
-    def clip(g):
-      g = _dedup(g)
-      v = _values(g)
-      norm = jnp.sqrt(_sum_of_squares(v))
-      scale = max_norm / jnp.maximum(norm, max_norm)
-      return _with_values(g, (v * scale).astype(v.dtype))
-
-    return jax.tree.map(clip, updates, is_leaf=is_sparse_rows), state
-
-  return optax.GradientTransformation(
-      lambda params: optax.EmptyState(), update_fn)
+  return _stateless(lambda updates: jax.tree.map(clip, updates))
 
 
-def clipvalue(max_value: float) -> optax.GradientTransformation:
+def clipvalue(max_value: float) -> optax.GradientTransformationExtraArgs:
   """Keras' `clipvalue`: each entry clipped to `[-max_value, max_value]`.
 
   For a `SparseRows` leaf the entries clipped are those of the summed
@@ -104,7 +96,7 @@ def clipvalue(max_value: float) -> optax.GradientTransformation:
     max_value: the largest absolute value an entry keeps.
 
   Returns:
-    A stateless `optax.GradientTransformation`.
+    A stateless lazy transformation (`SparseRows` in, `SparseRows` out).
 
   Example:
     >>> import jax.numpy as jnp
@@ -118,21 +110,13 @@ def clipvalue(max_value: float) -> optax.GradientTransformation:
   """
   _check_positive(max_value, 'clipvalue: max_value')
 
-  def update_fn(updates, state, params=None):
-    del params
+  def clip(v):
+    return jnp.clip(v, -max_value, max_value).astype(v.dtype)
 
-    def clip(g):
-      g = _dedup(g)
-      v = _values(g)
-      return _with_values(g, jnp.clip(v, -max_value, max_value).astype(v.dtype))
-
-    return jax.tree.map(clip, updates, is_leaf=is_sparse_rows), state
-
-  return optax.GradientTransformation(
-      lambda params: optax.EmptyState(), update_fn)
+  return _stateless(lambda updates: jax.tree.map(clip, updates))
 
 
-def global_clipnorm(max_norm: float) -> optax.GradientTransformation:
+def global_clipnorm(max_norm: float) -> optax.GradientTransformationExtraArgs:
   """Keras' `global_clipnorm`: gradients scaled to a global norm <= `max_norm`.
 
   `g <- g * max_norm / max(global_norm, max_norm)` for every leaf, as
@@ -143,7 +127,7 @@ def global_clipnorm(max_norm: float) -> optax.GradientTransformation:
     max_norm: the largest global L2 norm.
 
   Returns:
-    A stateless `optax.GradientTransformation`.
+    A stateless lazy transformation (`SparseRows` in, `SparseRows` out).
 
   Example:
     >>> import jax.numpy as jnp
@@ -158,20 +142,11 @@ def global_clipnorm(max_norm: float) -> optax.GradientTransformation:
   """
   _check_positive(max_norm, 'global_clipnorm: max_norm')
 
-  def update_fn(updates, state, params=None):
-    del params
-    deduped = jax.tree.map(_dedup, updates, is_leaf=is_sparse_rows)
-    leaves = jax.tree.leaves(
-        jax.tree.map(_values, deduped, is_leaf=is_sparse_rows))
+  def clip(updates):
+    leaves = jax.tree.leaves(updates)
     norm = jnp.sqrt(sum((_sum_of_squares(v) for v in leaves),
                         jnp.zeros([], jnp.float32)))
     scale = max_norm / jnp.maximum(norm, max_norm)
+    return jax.tree.map(lambda v: _scaled(v, scale), updates)
 
-    def clip(g):
-      v = _values(g)
-      return _with_values(g, (v * scale).astype(v.dtype))
-
-    return jax.tree.map(clip, deduped, is_leaf=is_sparse_rows), state
-
-  return optax.GradientTransformation(
-      lambda params: optax.EmptyState(), update_fn)
+  return _stateless(clip)

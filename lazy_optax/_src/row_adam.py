@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src.adam import one_minus_power
 from lazy_optax._src.lazy import lazy
 
 _BIAS_CORRECTIONS = ('per_row', 'global')
@@ -59,12 +60,6 @@ class ScaleByRowAdamState(NamedTuple):
 def _pow(decay: float, k: jax.Array, dtype: Any) -> jax.Array:
   """`decay ** k` from `1 - decay`, for integer arrays `k >= 0`."""
   return jnp.exp(k.astype(dtype) * jnp.log1p(-jnp.asarray(1 - decay, dtype)))
-
-
-def _one_minus_pow(decay: float, k: jax.Array, dtype: Any) -> jax.Array:
-  """`1 - decay ** k`, accurate for small k (bias corrections)."""
-  return -jnp.expm1(
-      k.astype(dtype) * jnp.log1p(-jnp.asarray(1 - decay, dtype)))
 
 
 def _rows(vec: jax.Array, like: jax.Array) -> jax.Array:
@@ -159,8 +154,8 @@ def _row_adam_rule(
       md = b1 * md + (1 - b1) * gd
       vd = b2 * vd + (1 - b2) * (gd * gd)
       n = rc_new if bias_correction == 'per_row' else count
-      correction = (jnp.sqrt(_one_minus_pow(b2, n, dtype))
-                    / _one_minus_pow(b1, n, dtype))
+      correction = (jnp.sqrt(one_minus_power(b2, n, dtype))
+                    / one_minus_power(b1, n, dtype))
       step = _rows(correction, md) * md / (jnp.sqrt(vd + eps_root) + eps)
       if lr is not None:
         lr_d = jnp.asarray(lr, dtype)
