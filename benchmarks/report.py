@@ -416,7 +416,10 @@ def write(results: dict, out: str) -> str:
   """Writes `results.md` and the plots into `out`; returns the Markdown."""
   smoke = (', SMOKE RUN: small tables, a few steps, not a measurement'
            if results.get('smoke') else '')
-  lines = [f'# lazy_optax benchmark ({results["mode"]} mode{smoke})', '',
+  huge = (', every contender with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 '
+          '(transparent huge pages)' if results.get('huge_pages') else '')
+  lines = [f'# lazy_optax benchmark ({results["mode"]} mode{smoke}{huge})',
+           '',
            f'Started {results["started"]}, {results["cpus"]} CPUs, load '
            f'average before {results["load_before"][0]:.2f}, after '
            f'{results.get("load_after", [math.nan])[0]:.2f}; '

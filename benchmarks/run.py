@@ -3,6 +3,7 @@
     python3 benchmarks/run.py --mode quick     # under two minutes (2 cores)
     python3 benchmarks/run.py --mode full      # about forty minutes (2 cores)
     python3 benchmarks/run.py --tf-python /work/tfenv/bin/python   # with TF
+    python3 benchmarks/run.py --huge-pages   # every contender on huge pages
 
 Every (contender, configuration, thread count) runs in its own subprocess,
 pinned with `taskset` to its cores (1 thread: one core; 2 threads: two), so
@@ -140,9 +141,16 @@ def _pin(threads: int) -> list[str]:
   return ['taskset', '-c', ','.join(map(str, cpus))]
 
 
+# `--huge-pages`: glibc's malloc then asks the kernel for transparent huge
+# pages (madvise) for every large allocation of every contender (Linux,
+# glibc 2.35 or newer; read once at process start).
+HUGE_PAGES_ENV = {'GLIBC_TUNABLES': 'glibc.malloc.hugetlb=1'}
+_EXTRA_ENV: dict[str, str] = {}
+
+
 def _run_one(script: str, cfg: dict, threads: int, timeout: float,
              python: str = sys.executable) -> dict:
-  env = dict(os.environ)
+  env = dict(os.environ, **_EXTRA_ENV)
   env.setdefault('JAX_PLATFORMS', 'cpu')
   env.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
   env['OMP_NUM_THREADS'] = str(threads)
@@ -188,9 +196,17 @@ def main() -> None:
                       '(10,000-row tables, a few steps) into '
                       'benchmarks/results/tmp_smoke: a check that the suite '
                       'works, not a measurement')
+  parser.add_argument('--huge-pages', action='store_true',
+                      help='run every contender (TF and torch included) with '
+                      'GLIBC_TUNABLES=glibc.malloc.hugetlb=1, so that large '
+                      'tables sit on transparent huge pages; results go to '
+                      'benchmarks/results/MODE-huge-pages')
   args = parser.parse_args()
+  if args.huge_pages:
+    _EXTRA_ENV.update(HUGE_PAGES_ENV)
   out = args.out or os.path.join(
-      HERE, 'results', 'tmp_smoke' if args.smoke else args.mode)
+      HERE, 'results', 'tmp_smoke' if args.smoke else
+      args.mode + ('-huge-pages' if args.huge_pages else ''))
   os.makedirs(out, exist_ok=True)
   runs = _plan(args.mode)
   if args.smoke:
@@ -213,7 +229,8 @@ def main() -> None:
   results = {'mode': args.mode, 'started': time.strftime('%Y-%m-%d %H:%M:%S'),
              'cpus': len(os.sched_getaffinity(0)),
              'load_before': os.getloadavg(), 'runs': [], 'floors': [],
-             'notes': notes, 'smoke': args.smoke}
+             'notes': notes, 'smoke': args.smoke,
+             'huge_pages': args.huge_pages}
   t_start = time.perf_counter()
   path = os.path.join(out, 'results.json')
   for cfg in _floor_plan(runs):

@@ -15,6 +15,7 @@ from lazy_optax._src.checks import with_id_checks
 from lazy_optax._src.ftrl import ftrl
 from lazy_optax._src.ftrl import FtrlState
 from lazy_optax._src.grads import value_and_grad
+from lazy_optax._src.huge_pages import advise_huge_pages
 
 # TensorFlow/Keras helpers, now in lazy_optax.compat; these top-level
 # aliases remain for one release (0.2) and are not in __all__.
@@ -59,6 +60,7 @@ __version__ = '0.1.0'
 
 __all__ = (
     'compat',
+    'advise_huge_pages',
     'apply_updates',
     'apply_updates_stochastic',
     'check_ids_in_range',
