@@ -2,3 +2,19 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+_XLA_FLAGS = os.environ.get('XLA_FLAGS', '')
+
+
+def pytest_collection_finish(session):
+  """The suite runs in one process on one CPU device; the multi-device checks
+  run in subprocesses of their own. A helper module that set XLA_FLAGS when
+  imported (pytest imports every module for doctests) would silently move
+  every test onto 8 simulated devices, off the single-device paths such as
+  lazy_adam's CPU kernel."""
+  del session
+  assert os.environ.get('XLA_FLAGS', '') == _XLA_FLAGS, (
+      'a module imported by pytest changed XLA_FLAGS')
+  assert '--xla_force_host_platform_device_count' not in os.environ.get(
+      'XLA_FLAGS', ''), 'XLA_FLAGS asks for several devices in the main process'

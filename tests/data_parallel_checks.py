@@ -13,8 +13,9 @@ the cotangents of replicated inputs by itself.)
 
 import os
 
-os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
-                           + ' --xla_force_host_platform_device_count=8')
+if __name__ == '__main__':  # not when pytest imports this file for doctests
+  os.environ['XLA_FLAGS'] = (os.environ.get('XLA_FLAGS', '')
+                             + ' --xla_force_host_platform_device_count=8')
 
 import warnings  # noqa: E402
 

@@ -1,9 +1,14 @@
-"""lazy_adam's fast path (updates from the new moments) equals plain lazy(...).
+"""lazy_adam's fast paths equal plain lazy(...).
+
+The fast paths: updates from the new moments, and the CPU kernel for
+float32 tables (`cpu_kernels.adam_rows`).
 
 Up to rounding: XLA may contract `b1 * m + (1 - b1) * g` into a fused
 multiply-add in one program and not in the other, a last-bit difference that
 a bfloat16 moment can round up to one bfloat16 step.
 """
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -54,7 +59,7 @@ def test_fast_path_equals_plain_lazy(monkeypatch, min_bytes, kind, kw):
   p_fast = p_plain = params
   s_fast, s_plain = fast.init(params), plain.init(params)
 
-  @__import__('functools').partial(jax.jit, static_argnums=5)
+  @functools.partial(jax.jit, static_argnums=5)
   def step(p, s, ids, values, gw, use_fast):
     tx = fast if use_fast else plain
     g = {'table': lazy_optax.SparseRows(ids, values, num_rows), 'w': gw}
@@ -69,11 +74,19 @@ def test_fast_path_equals_plain_lazy(monkeypatch, min_bytes, kind, kw):
     gw = jnp.asarray(rng.normal(size=(3,)), jnp.float32)
     p_fast, s_fast, u_fast = step(p_fast, s_fast, ids, values, gw, True)
     p_plain, s_plain, u_plain = step(p_plain, s_plain, ids, values, gw, False)
-    for a, b in zip(jax.tree.leaves((p_fast, s_fast, u_fast)),
-                    jax.tree.leaves((p_plain, s_plain, u_plain))):
+    # Updates compared densified: the order of a SparseRows' slots differs
+    # between the paths (the CPU kernel keeps the order of first appearance).
+    dense = functools.partial(jax.tree.map, lambda x: x.to_dense() if
+                              lazy_optax.is_sparse_rows(x) else x,
+                              is_leaf=lazy_optax.is_sparse_rows)
+    for a, b in zip(jax.tree.leaves((p_fast, s_fast, dense(u_fast))),
+                    jax.tree.leaves((p_plain, s_plain, dense(u_plain)))):
       assert a.dtype == b.dtype and a.shape == b.shape
+      # float32: a few ulps of the O(1) values that cancel into a small one
+      # (the CPU kernel and XLA contract multiply-adds differently).
       tol = 1e-2 if a.dtype == jnp.bfloat16 else 2e-6
+      atol = 1e-5 if a.dtype == jnp.bfloat16 else 5e-7
       np.testing.assert_allclose(np.asarray(a, np.float32),
                                  np.asarray(b, np.float32), rtol=tol,
-                                 atol=tol * 1e-3, err_msg=str(t))
+                                 atol=atol, err_msg=str(t))
   assert (jax.tree.structure(s_fast) == jax.tree.structure(s_plain))

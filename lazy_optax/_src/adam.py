@@ -10,6 +10,10 @@ Per step, for the rows the batch touched (duplicates summed first):
 
 This differs from `optax.adam`, which bias-corrects `m` and `v` first and
 adds `eps` to `sqrt(v_hat)`; the two agree as `eps -> 0`.
+
+On one CPU device, float32 `SparseRows` leaves with float32 moments go
+through `cpu_kernels.adam_rows` (one `jax.ffi` call per table), the rest of
+the tree through `lazy(...)`.
 """
 
 from __future__ import annotations
@@ -19,11 +23,18 @@ from typing import Any, NamedTuple, Optional, Sequence
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from lazy_optax._src import cpu_kernels
+from lazy_optax._src import dedup
+from lazy_optax._src.lazy import check_sparse_leaf
 from lazy_optax._src.lazy import lazy_with_rule
 from lazy_optax._src.numerics import compute_dtype
 from lazy_optax._src.numerics import one_minus_power
+from lazy_optax._src.paths import path_name
+from lazy_optax._src.sparse_rows import is_sparse_rows
+from lazy_optax._src.sparse_rows import SparseRows
 
 
 class ScaleByLazyAdamState(NamedTuple):
@@ -57,9 +68,106 @@ def _epsilon_hat_updates(updates: Any, count: Any, mu: Any, nu: Any, *,
   return jax.tree.map(step, updates, mu, nu)
 
 
+def _kernel_leaf(grad: Any, mu: Any, nu: Any) -> bool:
+  """Whether the CPU kernel can update this leaf's rows (float32 all along)."""
+  if not isinstance(grad, SparseRows):
+    return False
+  f32 = jnp.dtype(jnp.float32)
+  return (grad.values.dtype == f32 and grad.values.ndim >= 1
+          and all(getattr(x, 'dtype', None) == f32 for x in (mu, nu))
+          and tuple(mu.shape) == tuple(nu.shape) == grad.shape)
+
+
+def _with_cpu_kernel(
+    base: optax.GradientTransformationExtraArgs,
+    adam_args: dict[str, Any],
+    rest: Sequence[optax.GradientTransformation],
+) -> optax.GradientTransformationExtraArgs:
+  """`base`, with float32 `SparseRows` leaves updated by the CPU kernel.
+
+  On one CPU device, where `cpu_kernels.available()`, each float32
+  `SparseRows` leaf whose `mu` and `nu` are float32 goes through
+  `cpu_kernels.adam_rows` (deduplication, moments updated in place, the
+  step of each row: the same rule); the rest of the tree goes through `base`
+  with those leaves masked out (`optax.MaskedNode`). `rest` must be
+  transformations of the updates alone (the learning rate).
+  """
+  b1, b2 = adam_args['b1'], adam_args['b2']
+
+  def update_fn(updates, state, params=None, **extra_args):
+    if not cpu_kernels.usable():
+      return base.update(updates, state, params, **extra_args)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(
+        updates, is_leaf=is_sparse_rows)
+    adam_state = state[0] if rest and isinstance(state, tuple) else state
+    if not isinstance(adam_state, ScaleByLazyAdamState):
+      # Not this transformation's state: `base` says what is wrong.
+      return base.update(updates, state, params, **extra_args)
+    try:
+      mus = treedef.flatten_up_to(adam_state.mu)
+      nus = treedef.flatten_up_to(adam_state.nu)
+    except (ValueError, TypeError):
+      return base.update(updates, state, params, **extra_args)
+    picks = [i for i, (_, g) in enumerate(flat)
+             if _kernel_leaf(g, mus[i], nus[i])]
+    if not picks:
+      return base.update(updates, state, params, **extra_args)
+    param_leaves = ([None] * len(flat) if params is None
+                    else treedef.flatten_up_to(params))
+
+    def masked(leaves):
+      return treedef.unflatten([optax.MaskedNode() if i in picks else x
+                                for i, x in enumerate(leaves)])
+
+    sub_adam = adam_state._replace(mu=masked(mus), nu=masked(nus))
+    sub_state = (sub_adam,) + tuple(state[1:]) if rest else sub_adam
+    sub_updates, new_sub_state = base.update(
+        masked([g for _, g in flat]), sub_state,
+        None if params is None else masked(param_leaves), **extra_args)
+
+    count = optax.safe_increment(adam_state.count)
+    correction = (jnp.sqrt(one_minus_power(b2, count, jnp.float32))
+                  / one_minus_power(b1, count, jnp.float32))
+    hyper = jnp.stack([jnp.asarray(x, jnp.float32) for x in (
+        b1, 1 - b1, b2, 1 - b2, adam_args['eps'], adam_args['eps_root'],
+        correction)])
+    out = treedef.flatten_up_to(sub_updates)
+    new_mus, new_nus = list(mus), list(nus)
+    for i in picks:
+      grad, name = flat[i][1], path_name(flat[i][0])
+      check_sparse_leaf(grad, param_leaves[i], name)
+      ids, values, num_rows = dedup.prepare(grad, f'parameter {name}')
+      n, row_shape = values.shape[0], grad.row_shape
+      width = int(np.prod(row_shape, dtype=np.int64))
+      mu, nu, unique_ids, steps = cpu_kernels.adam_rows(
+          ids.astype(jnp.int32), values.reshape(n, width), hyper,
+          mus[i].reshape(num_rows, width), nus[i].reshape(num_rows, width))
+      new_mus[i] = mu.reshape(mus[i].shape)
+      new_nus[i] = nu.reshape(nus[i].shape)
+      steps = steps.reshape((n,) + row_shape)
+      for k, t in enumerate(rest, start=1):
+        steps, _ = t.update(steps, state[k])
+      out[i] = SparseRows.from_unique(unique_ids, steps, num_rows)
+    new_adam = new_sub_state[0] if rest else new_sub_state
+    mu_tree = treedef.flatten_up_to(new_adam.mu)
+    nu_tree = treedef.flatten_up_to(new_adam.nu)
+    for i in picks:
+      mu_tree[i], nu_tree[i] = new_mus[i], new_nus[i]
+    new_adam = new_adam._replace(mu=treedef.unflatten(mu_tree),
+                                 nu=treedef.unflatten(nu_tree))
+    new_state = ((new_adam,) + tuple(new_sub_state[1:]) if rest
+                 else new_adam)
+    return treedef.unflatten(out), new_state
+
+  return optax.GradientTransformationExtraArgs(init=base.init,
+                                               update=update_fn)
+
+
 def _lazy_epsilon_hat(
     adam_args: dict[str, Any],
     rest: Sequence[optax.GradientTransformation] = (),
+    *,
+    cpu_kernel: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   """`lazy(chain(epsilon_hat_adam(**adam_args), *rest))`, fast path included.
 
@@ -82,7 +190,10 @@ def _lazy_epsilon_hat(
       updates, _ = t.update(updates, old_state[k], params)
     return updates
 
-  return lazy_with_rule(tx, updates_from_state=updates_from_state)
+  base = lazy_with_rule(tx, updates_from_state=updates_from_state)
+  if cpu_kernel and not adam_args['amsgrad']:
+    return _with_cpu_kernel(base, adam_args, rest)
+  return base
 
 
 def epsilon_hat_adam(
@@ -209,7 +320,7 @@ def scale_by_lazy_adam(
   """
   return _lazy_epsilon_hat(
       dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-           nu_dtype=nu_dtype, amsgrad=amsgrad))
+           nu_dtype=nu_dtype, amsgrad=amsgrad), cpu_kernel=True)
 
 
 def lazy_adam(
@@ -228,10 +339,13 @@ def lazy_adam(
   `SparseRows` gradients update only their rows of the parameter, `mu` and
   `nu`; dense gradients get TensorFlow's dense Adam. See the module docstring
   for the rule. The state is that of `lazy(optax.chain(epsilon-hat Adam,
-  optax.scale_by_learning_rate(learning_rate)))`; for tables with rows of at
-  least 128 bytes on one device the updates are computed from the new
-  moments re-read after they were written (the same numbers up to rounding,
-  and on XLA CPU a 1,000,000 x 64 step about a third faster).
+  optax.scale_by_learning_rate(learning_rate)))`. On one CPU device, float32
+  tables with float32 moments are updated by a C++ kernel called through
+  `jax.ffi` (built on first use; see the README's "CPU kernel"): duplicates
+  summed, moments updated in place, one pass over the touched rows, the same
+  rule up to float32 rounding. Elsewhere, for tables with rows of at least
+  128 bytes on one device, the updates are computed from the new moments
+  re-read after they were written (the same numbers up to rounding).
 
   Args:
     learning_rate: a float or an optax schedule of the step count.
@@ -262,7 +376,7 @@ def lazy_adam(
   return _lazy_epsilon_hat(
       dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
            nu_dtype=nu_dtype, amsgrad=amsgrad),
-      [optax.scale_by_learning_rate(learning_rate)])
+      [optax.scale_by_learning_rate(learning_rate)], cpu_kernel=True)
 
 
 def lazy_adamw(

@@ -78,7 +78,7 @@ def _flatten(updates: Any, params: Any) -> _Leaves:
                  param_leaves)
 
 
-def _check_sparse_leaf(grad: SparseRows, param: Any, name: str) -> None:
+def check_sparse_leaf(grad: SparseRows, param: Any, name: str) -> None:
   where = f'parameter {name}'
   grad.check(where)
   validate.floating(grad.values.dtype, f'The SparseRows gradient of {where}')
@@ -120,7 +120,7 @@ def _row_leaves(leaves: _Leaves, skip_zero_rows: bool
   row_grads = list(leaves.grads)
   for i, (g, name) in enumerate(zip(leaves.grads, leaves.names)):
     if isinstance(g, SparseRows):
-      _check_sparse_leaf(g, leaves.params[i], name)
+      check_sparse_leaf(g, leaves.params[i], name)
       ids, values = dedup.unique_rows(*dedup.prepare(g, f'parameter {name}'))
       rows[i] = _RowLeaf(ids, None)
       row_grads[i] = values
