@@ -152,3 +152,28 @@ def test_no_compiler_means_the_xla_path(monkeypatch, tmp_path):
     monkeypatch.undo()
     cpu_kernels.available.cache_clear()
   assert cpu_kernels.available()
+
+
+def test_large_batch_shared_over_threads_matches_float64_rule():
+  # 4,096 ids into 20,000 rows of 64: about 3,700 distinct rows, enough
+  # values for the kernel to share its row updates over XLA's thread pool.
+  rng = np.random.default_rng(5)
+  num_rows, width = 20_000, 64
+  table = rng.normal(size=(num_rows, width))
+  ref = TFLazyAdam(table, lr=0.01)
+  tx = lazy_optax.lazy_adam(0.01)
+  params = {'table': jnp.asarray(table, jnp.float32),
+            'w': jnp.zeros((3,), jnp.float32)}
+  state = tx.init(params)
+  step = _step(tx, num_rows)
+  for _ in range(3):
+    ids = rng.integers(0, num_rows // 4, 4096)
+    values = rng.normal(size=(4096, width))
+    ref.step(ids, values)
+    params, state = step(params, state, jnp.asarray(ids, jnp.int32),
+                         jnp.asarray(values, jnp.float32),
+                         jnp.zeros((3,), jnp.float32))
+  assert len(np.unique(ids)) * width >= 2**16
+  np.testing.assert_allclose(params['table'], ref.p, rtol=2e-5, atol=1e-6)
+  nu = optax.tree_utils.tree_get(state, 'nu')['table']
+  np.testing.assert_allclose(nu, ref.v, rtol=2e-5, atol=1e-9)

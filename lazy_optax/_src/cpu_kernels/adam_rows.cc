@@ -9,6 +9,8 @@
 //        v = b2 * v + (1 - b2) * g * g
 //      and the slot's update row is corr * m / (sqrt(v + eps_root) + eps);
 //   3. unused slots get id R (touches no row) and zero updates.
+// Step 2 runs on XLA's intra-op thread pool for large batches (rows are
+// distinct, so the threads write disjoint rows).
 // The moment tables are aliased to outputs 0 and 1: with donated state XLA
 // hands the same buffers back, so only the touched rows are read or written.
 // Inputs: ids s32[N], grads f32[N, D], hyper f32[7] = (b1, 1 - b1, b2,
@@ -16,9 +18,13 @@
 // precision where b is a Python float, as XLA's path does), mu f32[R, D], nu f32[R, D]. Outputs: mu, nu, unique ids s32[N],
 // updates f32[N, D].
 
+#include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
+#include <thread>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -28,12 +34,73 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int64_t kPrefetchAhead = 8;
+// Step 2 is split into chunks of rows shared out over XLA's intra-op thread
+// pool when it has more than one thread and the batch has at least
+// kParallelMinValues values.
+constexpr int64_t kChunkRows = 128;
+constexpr int64_t kParallelMinValues = 1 << 16;
+
+struct Moments {
+  float b1, c1, b2, c2, eps, eps_root, corr;
+  float* mu;
+  float* nu;
+  const int32_t* ids;
+  float* out;
+  int64_t d;
+};
+
+// Rows [begin, end) of step 2.
+void UpdateRows(const Moments& a, int64_t begin, int64_t end) {
+  const int64_t d = a.d;
+  for (int64_t s = begin; s < end; ++s) {
+    if (s + kPrefetchAhead < end) {
+      const int64_t ahead = a.ids[s + kPrefetchAhead];
+      for (int64_t k = 0; k < d; k += 16) {
+        __builtin_prefetch(a.mu + ahead * d + k, 1);
+        __builtin_prefetch(a.nu + ahead * d + k, 1);
+      }
+    }
+    float* m = a.mu + static_cast<int64_t>(a.ids[s]) * d;
+    float* v = a.nu + static_cast<int64_t>(a.ids[s]) * d;
+    float* u = a.out + s * d;
+    for (int64_t k = 0; k < d; ++k) {
+      const float gk = u[k];
+      const float mk = a.b1 * m[k] + a.c1 * gk;
+      const float vk = a.b2 * v[k] + a.c2 * (gk * gk);
+      m[k] = mk;
+      v[k] = vk;
+      u[k] = a.corr * mk / (std::sqrt(vk + a.eps_root) + a.eps);
+    }
+  }
+}
+
+// Chunks are claimed from a shared counter by the caller and by any helper
+// task that starts in time; the caller waits only for chunks already
+// claimed (being worked on), never for a task that has not started, so a
+// busy pool cannot deadlock it. Late helpers find no chunk and return; the
+// shared state lives as long as the last of them.
+struct Chunks {
+  Moments args;
+  int64_t rows = 0;
+  int64_t count = 0;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Work() {
+    for (;;) {
+      const int64_t c = next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= count) return;
+      UpdateRows(args, c * kChunkRows, std::min(rows, (c + 1) * kChunkRows));
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
 
 inline uint32_t Bucket(int32_t id, int shift) {
   return (static_cast<uint32_t>(id) * 0x9E3779B1u) >> shift;
 }
 
-ffi::Error AdamRows(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> grads,
+ffi::Error AdamRows(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> grads,
                     ffi::Buffer<ffi::F32> hyper, ffi::Buffer<ffi::F32> mu_in,
                     ffi::Buffer<ffi::F32> nu_in,
                     ffi::ResultBuffer<ffi::F32> mu_out,
@@ -94,24 +161,23 @@ ffi::Error AdamRows(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> grads,
   }
 
   // 2. The moments of each distinct row, updated in place, and its step.
-  for (int64_t s = 0; s < distinct; ++s) {
-    if (s + kPrefetchAhead < distinct) {
-      const int64_t ahead = out_ids[s + kPrefetchAhead];
-      for (int64_t k = 0; k < d; k += 16) {
-        __builtin_prefetch(mu + ahead * d + k, 1);
-        __builtin_prefetch(nu + ahead * d + k, 1);
-      }
+  const Moments args{b1, c1, b2, c2, eps, eps_root, corr, mu, nu, out_ids,
+                     out, d};
+  const int64_t threads = pool.num_threads();
+  if (threads <= 1 || distinct * d < kParallelMinValues) {
+    UpdateRows(args, 0, distinct);
+  } else {
+    auto chunks = std::make_shared<Chunks>();
+    chunks->args = args;
+    chunks->rows = distinct;
+    chunks->count = (distinct + kChunkRows - 1) / kChunkRows;
+    const int64_t helpers = std::min(threads, chunks->count) - 1;
+    for (int64_t h = 0; h < helpers; ++h) {
+      pool.Schedule([chunks] { chunks->Work(); });
     }
-    float* m = mu + static_cast<int64_t>(out_ids[s]) * d;
-    float* v = nu + static_cast<int64_t>(out_ids[s]) * d;
-    float* u = out + s * d;
-    for (int64_t k = 0; k < d; ++k) {
-      const float gk = u[k];
-      const float mk = b1 * m[k] + c1 * gk;
-      const float vk = b2 * v[k] + c2 * (gk * gk);
-      m[k] = mk;
-      v[k] = vk;
-      u[k] = corr * mk / (std::sqrt(vk + eps_root) + eps);
+    chunks->Work();
+    while (chunks->done.load(std::memory_order_acquire) < chunks->count) {
+      std::this_thread::yield();
     }
   }
 
@@ -125,6 +191,7 @@ ffi::Error AdamRows(ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> grads,
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAdamRows, AdamRows,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
