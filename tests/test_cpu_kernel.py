@@ -177,3 +177,26 @@ def test_large_batch_shared_over_threads_matches_float64_rule():
   np.testing.assert_allclose(params['table'], ref.p, rtol=2e-5, atol=1e-6)
   nu = optax.tree_utils.tree_get(state, 'nu')['table']
   np.testing.assert_allclose(nu, ref.v, rtol=2e-5, atol=1e-9)
+
+
+def test_vmapped_over_an_ensemble_equals_the_xla_path(monkeypatch):
+  tx = lazy_optax.lazy_adam(0.1)
+
+  def step(p, s, ids, vals):
+    u, s = tx.update({'t': lazy_optax.SparseRows(ids, vals, 10)}, s, p)
+    return lazy_optax.apply_updates(p, u), s
+
+  params = {'t': jnp.ones((3, 10, 4))}
+  state = jax.vmap(tx.init)(params)
+  ids = jnp.array([[1, 2, 1], [3, 3, 3], [0, 9, 5]], jnp.int32)
+  vals = jnp.arange(36, dtype=jnp.float32).reshape(3, 3, 4)
+  lowered = jax.jit(jax.vmap(step)).lower(params, state, ids, vals)
+  assert 'lazy_optax_adam_rows' in lowered.as_text()
+  with_kernel = lowered.compile()(params, state, ids, vals)
+  monkeypatch.setattr(cpu_kernels, 'usable', lambda: False)
+  without = jax.jit(jax.vmap(step))(params, state, ids, vals)
+  for a, b in zip(jax.tree.leaves(with_kernel), jax.tree.leaves(without)):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+  # Member 1 summed its three ids into row 3 alone.
+  table = np.asarray(with_kernel[0]['t'][1])
+  assert (table[3] != 1).all() and (np.delete(table, 3, axis=0) == 1).all()
