@@ -52,6 +52,12 @@ class ScaleByLazyAMSGradState(NamedTuple):
   nu_max: optax.Updates
 
 
+def _bias_correction(b1: Any, b2: Any, count: Any, dtype: Any) -> Any:
+  """TensorFlow's step-size correction `sqrt(1 - b2^t) / (1 - b1^t)`."""
+  return (jnp.sqrt(one_minus_power(b2, count, dtype))
+          / one_minus_power(b1, count, dtype))
+
+
 def _epsilon_hat_updates(updates: Any, count: Any, mu: Any, nu: Any, *,
                          b1: float, b2: float, eps: float,
                          eps_root: float) -> Any:
@@ -59,8 +65,7 @@ def _epsilon_hat_updates(updates: Any, count: Any, mu: Any, nu: Any, *,
 
   def step(g, m, v):
     dtype = compute_dtype(m.dtype, v.dtype)
-    correction = (jnp.sqrt(one_minus_power(b2, count, dtype))
-                  / one_minus_power(b1, count, dtype))
+    correction = _bias_correction(b1, b2, count, dtype)
     v = v.astype(dtype)
     denom = jnp.sqrt(v + eps_root) + eps
     return (correction * m.astype(dtype) / denom).astype(g.dtype)
@@ -125,9 +130,8 @@ def _with_cpu_kernel(
         masked([g for _, g in flat]), sub_state,
         None if params is None else masked(param_leaves), **extra_args)
 
-    count = optax.safe_increment(adam_state.count)
-    correction = (jnp.sqrt(one_minus_power(b2, count, jnp.float32))
-                  / one_minus_power(b1, count, jnp.float32))
+    correction = _bias_correction(
+        b1, b2, optax.safe_increment(adam_state.count), jnp.float32)
     hyper = jnp.stack([jnp.asarray(x, jnp.float32) for x in (
         b1, 1 - b1, b2, 1 - b2, adam_args['eps'], adam_args['eps_root'],
         correction)])
