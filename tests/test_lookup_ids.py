@@ -133,11 +133,13 @@ def test_under_jit_out_of_range_ids_read_zeros_and_give_no_gradient_row(name):
   g = _sparse_grad(grads)
   np.testing.assert_allclose(g.to_dense(), ref_grad, rtol=1e-6, atol=1e-6)
   # The bad slots name no row (-1 does not wrap onto row 9) and hold zeros;
-  # the gradient keeps the bad ids, so that checked mode can report them.
-  np.testing.assert_array_equal(np.asarray(g.safe_ids()), [1, NUM_ROWS,
-                                                            NUM_ROWS, 3])
-  np.testing.assert_array_equal(np.asarray(g.ids), BAD.reshape(-1))
-  np.testing.assert_array_equal(np.asarray(g.values)[1:3], 0)
+  # the gradient keeps the bad ids, so that checked mode can report them
+  # (it crossed jit's boundary as a pytree: its slots hold distinct ids).
+  safe = np.asarray(g.safe_ids())
+  np.testing.assert_array_equal(np.sort(safe), [1, 3, NUM_ROWS, NUM_ROWS])
+  np.testing.assert_array_equal(np.sort(np.asarray(g.ids)),
+                                np.sort(BAD.reshape(-1)))
+  np.testing.assert_array_equal(np.asarray(g.values)[safe == NUM_ROWS], 0)
   # Plain jax.grad through the same entry point agrees (dense gradient).
   dense = jax.jit(jax.grad(lambda p: jnp.sum(apply(p, BAD) * cotangent)))(
       params)
@@ -166,8 +168,9 @@ def test_padding_id_reads_its_row_and_gives_no_gradient_row(name, jit):
     ref_out = np.asarray(_table(params))[ids]
   np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
   g = _sparse_grad(grads)
-  np.testing.assert_array_equal(np.asarray(g.ids),
-                                [NUM_ROWS, 4, 4, NUM_ROWS])
+  # Row 4 named (once, or twice where the ids are not yet summed); the
+  # padding slots name no row.
+  np.testing.assert_array_equal(np.unique(np.asarray(g.ids)), [4, NUM_ROWS])
   np.testing.assert_allclose(g.to_dense(), ref_grad, rtol=1e-6, atol=1e-6)
   assert not np.asarray(g.to_dense())[0].any()
 

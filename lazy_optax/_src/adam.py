@@ -28,6 +28,7 @@ import optax
 
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import dedup
+from lazy_optax._src import validate
 from lazy_optax._src.lazy import check_sparse_leaf
 from lazy_optax._src.lazy import lazy_with_rule
 from lazy_optax._src.numerics import compute_dtype
@@ -151,7 +152,8 @@ def _with_cpu_kernel(
       steps = steps.reshape((n,) + row_shape)
       for k, t in enumerate(rest, start=1):
         steps, _ = t.update(steps, state[k])
-      out[i] = SparseRows.from_unique(unique_ids, steps, num_rows)
+      out[i] = SparseRows.from_unique(unique_ids, steps, num_rows,
+                                      distinct=True)
     new_adam = new_sub_state[0] if rest else new_sub_state
     mu_tree = treedef.flatten_up_to(new_adam.mu)
     nu_tree = treedef.flatten_up_to(new_adam.nu)
@@ -322,6 +324,9 @@ def scale_by_lazy_adam(
     >>> optax.tree_utils.tree_get(state, 'mu')['table'].shape
     (100, 8)
   """
+  validate.hyperparameters(
+      'scale_by_lazy_adam', beta=dict(b1=b1, b2=b2),
+      non_negative=dict(eps=eps, eps_root=eps_root))
   return _lazy_epsilon_hat(
       dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
            nu_dtype=nu_dtype, amsgrad=amsgrad), cpu_kernel=True)
@@ -377,6 +382,9 @@ def lazy_adam(
     >>> float(params['table'][3, 0]), float(params['table'][4, 0])
     (-0.009999..., 0.0)
   """
+  validate.hyperparameters(
+      'lazy_adam', beta=dict(b1=b1, b2=b2),
+      non_negative=dict(eps=eps, eps_root=eps_root))
   return _lazy_epsilon_hat(
       dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
            nu_dtype=nu_dtype, amsgrad=amsgrad),
@@ -429,6 +437,9 @@ def lazy_adamw(
     >>> lazy_optax.apply_updates(params, updates)['table'][:2, 0]
     Array([0.95, 1.  ], dtype=float32)
   """
+  validate.hyperparameters(
+      'lazy_adamw', beta=dict(b1=b1, b2=b2),
+      non_negative=dict(eps=eps, eps_root=eps_root, weight_decay=weight_decay))
   return _lazy_epsilon_hat(
       dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
            nu_dtype=nu_dtype, amsgrad=amsgrad),

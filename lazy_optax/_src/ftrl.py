@@ -44,9 +44,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import compute_dtype
-from lazy_optax._src.rowwise_adagrad import check_non_negative
 
 
 class FtrlState(NamedTuple):
@@ -195,14 +195,11 @@ def ftrl(
     Array([[ 0.       ,  0.       ],
            [-0.0982791, -0.0982791]], dtype=float32)
   """
-  if isinstance(learning_rate_power, (int, float)) and learning_rate_power > 0:
-    raise ValueError(
-        f'ftrl: learning_rate_power must be <= 0, got {learning_rate_power!r}.')
-  check_non_negative(
-      'ftrl', initial_accumulator_value=initial_accumulator_value, l1=l1,
-      l2=l2, l2_shrinkage=l2_shrinkage, beta=beta)
-  if isinstance(learning_rate, (int, float)) and learning_rate <= 0:
-    raise ValueError(f'ftrl: learning_rate must be > 0, got {learning_rate!r}.')
+  validate.hyperparameters(
+      'ftrl', positive=dict(learning_rate=learning_rate),
+      non_positive=dict(learning_rate_power=learning_rate_power),
+      non_negative=dict(initial_accumulator_value=initial_accumulator_value,
+                        l1=l1, l2=l2, l2_shrinkage=l2_shrinkage, beta=beta))
   return lazy(_ftrl_rule(
       learning_rate=learning_rate, learning_rate_power=learning_rate_power,
       initial_accumulator_value=initial_accumulator_value, l1=l1, l2=l2,

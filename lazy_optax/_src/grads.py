@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.labels import path_name
 from lazy_optax._src.sparse_rows import index_dtype
 from lazy_optax._src.sparse_rows import SparseRows
@@ -116,6 +117,8 @@ class _Probe(_Recorder):
   def __init__(self, tables: dict[int, Any], names: Sequence[str]):
     super().__init__(tables, names)
     self.rows: dict[int, list[jax.ShapeDtypeStruct]] = {}
+    # The mesh axes each lookup's rows vary over inside `jax.shard_map`.
+    self.varying: dict[int, list[tuple[Any, ...]]] = {}
     self.foreign_shapes: set[tuple[int, ...]] = set()
 
   def take(self, table, ids, active, dtype):
@@ -131,6 +134,8 @@ class _Probe(_Recorder):
     rows = read_rows(jax.lax.stop_gradient(table), ids, dtype)
     self.rows.setdefault(pos, []).append(
         jax.ShapeDtypeStruct(rows.shape, rows.dtype))
+    self.varying.setdefault(pos, []).append(
+        tuple(sorted(_sharding.varying_axes(rows))))
     return rows
 
 
@@ -290,11 +295,21 @@ def _sparse_rows(ids: jax.Array, values: jax.Array,
   return SparseRows.from_unique(ids, values, num_rows)
 
 
+def _zeros(struct: jax.ShapeDtypeStruct, axes: tuple[Any, ...]) -> jax.Array:
+  zeros = jnp.zeros(struct.shape, struct.dtype)
+  return jax.lax.pcast(zeros, axes, to='varying') if axes else zeros
+
+
 def _differentiate(call: Callable[..., Any], params: _Params,
                    sparse: list[int], probe: _Probe) -> tuple[Any, Any, Any]:
   """Step 3: loss, aux and gradients, row-sparse for the `sparse` tables."""
   dense = [i for i in range(len(params.leaves)) if i not in sparse]
-  zeros = {i: [jnp.zeros(s.shape, s.dtype) for s in probe.rows[i]]
+  # Inside `jax.shard_map` the perturbations vary over the mesh axes that
+  # their rows vary over: autodiff then keeps their cotangents (the values
+  # of the row-sparse gradient) per device, like the ids, instead of summing
+  # them across devices as it does for a replicated input.
+  zeros = {i: [_zeros(s, axes)
+               for s, axes in zip(probe.rows[i], probe.varying[i])]
            for i in sparse}
 
   def grad_fn(dense_values, perturbations):

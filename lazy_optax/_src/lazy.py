@@ -153,7 +153,7 @@ def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
   for i, row in rows.items():
     if row.ids is not None:
       out[i] = SparseRows.from_unique(row.ids, out[i],
-                                      leaves.grads[i].num_rows)
+                                      leaves.grads[i].num_rows, distinct=True)
     else:
       assert row.row_mask is not None
       out[i] = jnp.where(broadcast_rows(row.row_mask, out[i]), out[i],

@@ -210,6 +210,14 @@ def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
       raise ValueError(
           f'{where}: lengths must have shape [batch] = {ids.shape[:1]}, got '
           f'{tuple(lengths.shape)}.')
+    if not isinstance(lengths, jax.core.Tracer):
+      host = np.asarray(lengths)
+      bad = np.flatnonzero((host < 0) | (host > ids.shape[1]))
+      if bad.size:
+        raise ValueError(
+            f'{where}: lengths[{int(bad[0])}] = {int(host[bad[0]])} is not a '
+            f'length of a bag of {ids.shape[1]} slots (lengths must lie in '
+            f'[0, {ids.shape[1]}]; {bad.size} do not).')
     member = jnp.arange(ids.shape[1])[None, :] < lengths[:, None]
   real = not_padding(ids, padding_id, where)
   if real is not None:
@@ -233,7 +241,10 @@ def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
   if mode == 'max':
     lowest = (-jnp.inf if jnp.issubdtype(rows.dtype, jnp.inexact)
               else jnp.iinfo(rows.dtype).min)
-    out = jnp.max(jnp.where(slot, rows, lowest), axis=1)
+    # The first maximum of each entry takes it, and its whole gradient (as
+    # torch.nn.EmbeddingBag does; `jnp.max` would split a tie's gradient).
+    first = jnp.argmax(jnp.where(slot, rows, lowest), axis=1)
+    out = jnp.take_along_axis(rows, first[:, None], axis=1)[:, 0]
     return jnp.where(jnp.any(slot, axis=1), out, jnp.zeros_like(out))
   if per_sample_weights is None:
     weights = member.astype(rows.dtype)

@@ -93,7 +93,10 @@ def multi_steps(
     code = jnp.zeros((every_k * n, width), id_code.CODE_DTYPE)
     values = jnp.zeros((every_k * n,) + tuple(jnp.shape(param)[1:]),
                        jnp.result_type(param))
-    return SparseRows.tree_unflatten(num_rows, (code, values))
+    # Marked distinct so that flattening the state keeps the slots as they
+    # are; `update_fn` hands `tx` the buffer marked as it is.
+    return SparseRows._from_code(  # pylint: disable=protected-access
+        code, values, num_rows, distinct=True)
 
   def init_fn(params):
     found = set()
@@ -125,7 +128,12 @@ def multi_steps(
     scale = 1.0 / every_k if use_grad_mean else 1.0
     if not isinstance(acc, SparseRows):
       if isinstance(g, SparseRows):
-        return (g * scale).add_to(acc, f'parameter {path_name(path)}')
+        name = path_name(path)
+        raise ValueError(
+            f'multi_steps: parameter {name} gets SparseRows gradients but '
+            f'ids_per_step does not name it, so its accumulator would be '
+            f'dense and rows absent from a window would move as well. Add '
+            f'{name!r}: <ids per step> to ids_per_step.')
       return acc + jnp.asarray(g) * scale
     name = path_name(path)
     n = acc.num_ids // every_k
@@ -140,7 +148,8 @@ def multi_steps(
     code = jax.lax.dynamic_update_slice_in_dim(acc.code, g.code, start, 0)
     values = jax.lax.dynamic_update_slice_in_dim(
         acc.values, (g.values * scale).astype(acc.values.dtype), start, 0)
-    return SparseRows.tree_unflatten(acc.num_rows, (code, values))
+    return SparseRows._from_code(  # pylint: disable=protected-access
+        code, values, acc.num_rows, distinct=True)
 
   def update_fn(updates, state, params=None, **extra_args):
     acc = jax.tree_util.tree_map_with_path(
@@ -149,7 +158,13 @@ def multi_steps(
     emit = state.mini_step == every_k - 1
 
     def do_update(_):
-      return inner.update(acc, state.inner_state, params, **extra_args)
+      # The buffers keep their slots as written (repeated ids included); the
+      # gradient handed to `tx` says so, so that it sums them first.
+      grads = jax.tree.map(
+          lambda a: SparseRows._from_code(  # pylint: disable=protected-access
+              a.code, a.values, a.num_rows, distinct=False)
+          if isinstance(a, SparseRows) else a, acc, is_leaf=_is_leaf)
+      return inner.update(grads, state.inner_state, params, **extra_args)
 
     def skip(_):
       shapes = jax.eval_shape(do_update, None)[0]

@@ -33,11 +33,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
 from lazy_optax._src.numerics import one_minus_power
-from lazy_optax._src.rowwise_adagrad import check_non_negative
 from lazy_optax._src.rowwise_adagrad import is_zero
 from lazy_optax._src.rowwise_adagrad import row_mean_square
 from lazy_optax._src.rowwise_adagrad import row_shape_zeros
@@ -48,12 +48,6 @@ class ScaleByPartialRowwiseAdamState(NamedTuple):
   count: chex.Array  # int32 scalar, the global step
   mu: optax.Updates  # one per entry, the parameters' shapes
   nu: optax.Updates  # [num_rows] per parameter (scalar: scalar)
-
-
-def _check_betas(fn: str, b1: Any, b2: Any) -> None:
-  for name, b in (('b1', b1), ('b2', b2)):
-    if isinstance(b, (int, float)) and not 0 <= b < 1:
-      raise ValueError(f'{fn}: {name} must be in [0, 1), got {b!r}.')
 
 
 def _partial_rowwise_adam_rule(
@@ -142,9 +136,9 @@ def scale_by_partial_rowwise_adam(
     ...  lazy_optax.compat.get_slot(state, 'table', 'v').shape)
     ((1000, 64), (1000,))
   """
-  _check_betas('scale_by_partial_rowwise_adam', b1, b2)
-  check_non_negative('scale_by_partial_rowwise_adam', eps=eps,
-                     eps_root=eps_root)
+  validate.hyperparameters(
+      'scale_by_partial_rowwise_adam', beta=dict(b1=b1, b2=b2),
+      non_negative=dict(eps=eps, eps_root=eps_root))
   return lazy(_partial_rowwise_adam_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
       nu_dtype=nu_dtype))
@@ -199,9 +193,9 @@ def partial_rowwise_adam(
     >>> round(float(params['table'][3, 0]), 6), float(params['table'][4, 0])
     (-0.01, 0.0)
   """
-  _check_betas('partial_rowwise_adam', b1, b2)
-  check_non_negative('partial_rowwise_adam', eps=eps, eps_root=eps_root,
-                     weight_decay=weight_decay)
+  validate.hyperparameters(
+      'partial_rowwise_adam', beta=dict(b1=b1, b2=b2), non_negative=dict(
+          eps=eps, eps_root=eps_root, weight_decay=weight_decay))
   parts = [_partial_rowwise_adam_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
       nu_dtype=nu_dtype)]

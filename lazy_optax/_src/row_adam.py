@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
@@ -65,14 +66,15 @@ def _row_zeros(p: Any) -> jax.Array:
   return jnp.zeros(shape[:1], jnp.int32)
 
 
-def _check_args(b1, b2, bias_correction):
+def _check_args(fn, b1, b2, eps, eps_root, weight_decay, bias_correction):
   if bias_correction not in _BIAS_CORRECTIONS:
     raise ValueError(
-        f'bias_correction must be one of {_BIAS_CORRECTIONS}, got '
+        f'{fn}: bias_correction must be one of {_BIAS_CORRECTIONS}, got '
         f'{bias_correction!r}.')
-  for name, b in (('b1', b1), ('b2', b2)):
-    if not 0 <= b < 1:
-      raise ValueError(f'{name} must be in [0, 1), got {b!r}.')
+  validate.hyperparameters(
+      fn, beta=dict(b1=b1, b2=b2), non_negative=dict(
+          eps=eps, eps_root=eps_root, weight_decay=weight_decay))
+
 
 
 class _Config(NamedTuple):
@@ -171,9 +173,10 @@ def _row_adam_rule(
     weight_decay: float = 0.0,
     mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     decay_skipped_steps: bool = False,
+    fn: str = 'scale_by_row_adam',
 ) -> optax.GradientTransformation:
   """The per-row rule on dense row blocks (every row given is touched)."""
-  _check_args(b1, b2, bias_correction)
+  _check_args(fn, b1, b2, eps, eps_root, weight_decay, bias_correction)
   cfg = _Config(b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                 bias_correction=bias_correction, catch_up=catch_up,
                 weight_decay=weight_decay,
@@ -339,9 +342,10 @@ def row_adam(
     Array([-0.1, -0.1], dtype=float32)
   """
   if not weight_decay and decay_skipped_steps:
-    raise ValueError('decay_skipped_steps=True needs weight_decay > 0.')
+    raise ValueError(
+        'row_adam: decay_skipped_steps=True needs weight_decay > 0.')
   return lazy(_row_adam_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
       nu_dtype=nu_dtype, bias_correction=bias_correction, catch_up=catch_up,
       learning_rate=learning_rate, weight_decay=weight_decay, mask=mask,
-      decay_skipped_steps=decay_skipped_steps))
+      decay_skipped_steps=decay_skipped_steps, fn='row_adam'))

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
@@ -81,13 +82,6 @@ def is_zero(x: Any) -> bool:
   traced ones, so only Python numbers decide the structure of a rule.
   """
   return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
-
-
-def check_non_negative(fn: str, **values: Any) -> None:
-  """Raises `ValueError` naming the argument if a Python number is < 0."""
-  for name, value in values.items():
-    if isinstance(value, (int, float)) and value < 0:
-      raise ValueError(f'{fn}: {name} must be >= 0, got {value!r}.')
 
 
 def _mask_leaves(mask: Any, params: Any, treedef: Any) -> list[Any]:
@@ -187,8 +181,9 @@ def scale_by_rowwise_adagrad(
     >>> lazy_optax.compat.get_slot(state, 'table', 'sum_of_squares').shape
     (1000,)
   """
-  check_non_negative('scale_by_rowwise_adagrad', eps=eps,
-                     initial_accumulator_value=initial_accumulator_value)
+  validate.hyperparameters(
+      'scale_by_rowwise_adagrad', non_negative=dict(
+          eps=eps, initial_accumulator_value=initial_accumulator_value))
   return lazy(_rowwise_adagrad_rule(
       eps=eps, initial_accumulator_value=initial_accumulator_value,
       accumulator_dtype=accumulator_dtype, l2_weight_decay=None, mask=None))
@@ -253,8 +248,10 @@ def rowwise_adagrad(
     raise ValueError(
         f'rowwise_adagrad: weight_decay_mode must be one of '
         f'{WEIGHT_DECAY_MODES}, got {weight_decay_mode!r}.')
-  check_non_negative('rowwise_adagrad', eps=eps, weight_decay=weight_decay,
-                     initial_accumulator_value=initial_accumulator_value)
+  validate.hyperparameters(
+      'rowwise_adagrad', non_negative=dict(
+          eps=eps, weight_decay=weight_decay,
+          initial_accumulator_value=initial_accumulator_value))
   if weight_decay_mode == 'none' and isinstance(
       weight_decay, (int, float)) and weight_decay != 0:
     raise ValueError(

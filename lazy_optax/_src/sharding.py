@@ -32,6 +32,21 @@ def _explicit_mesh(x: Any) -> Any:
   return mesh
 
 
+def varying_axes(x: Any) -> frozenset:
+  """The mesh axes that `x` varies over inside `jax.shard_map`.
+
+  Empty outside `shard_map` and with `check_vma=False`. Read from the value's
+  type (`jax.typeof`): `manual_axis_type.varying`, or `vma` where JAX names it
+  so. The tests check that a replicated input's gradient shows no axis while
+  the ids show theirs, so a JAX release that hides both fails them.
+  """
+  aval = jax.typeof(x)
+  manual = getattr(aval, 'manual_axis_type', None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, 'vma', ()))
+
+
 def replicate_if_explicit(x: jax.Array) -> jax.Array:
   """`x` resharded to replicated when its type carries Explicit sharding.
 

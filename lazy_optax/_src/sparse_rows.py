@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple, Optional, Sequence
 import warnings
 
@@ -29,6 +30,16 @@ def index_dtype(num_rows: int) -> Any:
   return jnp.int64
 
 
+def _rows_nonzero(values: jax.Array) -> jax.Array:
+  """Per row, whether any entry is not zero (NaN counts as not zero)."""
+  n = values.shape[0]
+  width = int(np.prod(values.shape[1:], dtype=np.int64))
+  return jnp.any(values.reshape(n, width) != 0, axis=1)
+
+
+_MISSING = object()
+
+
 def _warn_damaged(where: str, count: Any, total: int) -> None:
   warnings.warn(
       validate.damaged_ids_message(where, int(count), total)
@@ -46,9 +57,13 @@ class _SparseRowsType(type):
 
   def __repr__(cls) -> str:
     return (
-        "<class 'lazy_optax.SparseRows'> (a row-sparse gradient, which optax "
-        'code that pairs it with a dense tree cannot take: use '
-        'lazy_optax.multi_steps instead of optax.MultiSteps, '
+        "<class 'lazy_optax.SparseRows'> (a row-sparse gradient of the "
+        'parameter at that key path, which code that pairs it with a dense '
+        'tree cannot take: apply updates with lazy_optax.apply_updates '
+        '(Equinox: lazy_optax.equinox.apply_updates, not '
+        'eqx.apply_updates), give a table that optax.partition routes to a '
+        'plain optax optimizer a lazy one (lazy_optax.lazy(...)), use '
+        'lazy_optax.multi_steps instead of optax.MultiSteps and '
         'lazy_optax.path_labels as the label function of optax.partition, '
         'and put other transformations inside lazy_optax.lazy(...))')
 
@@ -102,16 +117,38 @@ class SparseRows(metaclass=_SparseRowsType):
   # computed from `_ids` only when the object is flattened. One rebuilt from
   # leaves (`tree_unflatten`, as every tree-wide operation does) has a code
   # and no trusted ids: its ids are read back and checked.
-  __slots__ = ('_code', '_ids', 'values', 'num_rows')
+  #
+  # `_distinct` says that no two slots name the same row. The pytree leaves
+  # (what `jax.tree.map`, optax transformations and `lax` collectives see)
+  # always are distinct: flattening sums the values of repeated ids first, so
+  # element-wise and norm-based transformations see what dense training
+  # sees. `_flat` caches the leaves of a concrete object.
+  __slots__ = ('_code', '_ids', '_distinct', '_flat', 'values', 'num_rows')
   _code: Optional[jax.Array]
   _ids: Optional[jax.Array]
+  _distinct: bool
+  _flat: Optional[tuple[jax.Array, jax.Array]]
   values: jax.Array
   num_rows: int
 
   # Let numpy arrays defer `ndarray + SparseRows` to `SparseRows.__radd__`.
   __array_ufunc__ = None
 
-  def __init__(self, ids: Any, values: Any, num_rows: int):
+  def __init__(self, ids: Any = _MISSING, values: Any = _MISSING,
+               num_rows: Any = _MISSING, *, indices: Any = _MISSING):
+    if indices is not _MISSING:
+      if ids is not _MISSING:
+        raise TypeError('SparseRows: pass the row ids once, as ids (indices '
+                        'is its deprecated name).')
+      warnings.warn(
+          'SparseRows(indices=...) is deprecated and will be removed after '
+          'lazy_optax 0.2: use SparseRows(ids=...).', DeprecationWarning,
+          stacklevel=2)
+      ids = indices
+    for name, given in (('ids', ids), ('values', values),
+                        ('num_rows', num_rows)):
+      if given is _MISSING:
+        raise TypeError(f'SparseRows() missing required argument: {name!r}.')
     num_rows = validate.num_rows(num_rows)
     ids = ids if _is_tracer(ids) else jnp.asarray(ids)
     values = values if _is_tracer(values) else jnp.asarray(values)
@@ -119,18 +156,35 @@ class SparseRows(metaclass=_SparseRowsType):
     validate.one_row_per_index(ids.shape[0], values, 'SparseRows')
     if not _is_tracer(ids):
       validate.indices_in_range(ids, num_rows, 'SparseRows')
-    self._set(None, ids.astype(index_dtype(num_rows)), values, num_rows)
+    self._set(None, ids.astype(index_dtype(num_rows)), values, num_rows,
+              distinct=False)
 
-  def _set(self, code: Any, ids: Any, values: Any, num_rows: int) -> None:
+  def _set(self, code: Any, ids: Any, values: Any, num_rows: int, *,
+           distinct: bool) -> None:
     object.__setattr__(self, '_code', code)
     object.__setattr__(self, '_ids', ids)
+    object.__setattr__(self, '_distinct', distinct)
+    object.__setattr__(self, '_flat', None)
     object.__setattr__(self, 'values', values)
     object.__setattr__(self, 'num_rows', num_rows)
 
   def _with_values(self, values: Any) -> 'SparseRows':
     obj = object.__new__(type(self))
-    obj._set(self._code, self._ids, values, self.num_rows)
+    obj._set(self._code, self._ids, values, self.num_rows,
+             distinct=self._distinct)
     return obj
+
+  @classmethod
+  def _from_code(cls, code: Any, values: Any, num_rows: int, *,
+                 distinct: bool) -> 'SparseRows':
+    obj = object.__new__(cls)
+    obj._set(code, None, values, num_rows, distinct=distinct)
+    return obj
+
+  @property
+  def is_distinct(self) -> bool:
+    """Whether no two slots name the same row (duplicates already summed)."""
+    return self._distinct
 
   @property
   def code(self) -> jax.Array:
@@ -146,24 +200,35 @@ class SparseRows(metaclass=_SparseRowsType):
         f'SparseRows is immutable: build a new one instead of setting {name}.')
 
   # -- pytree protocol ------------------------------------------------------
+  def _leaves(self) -> tuple[Any, Any]:
+    """`(code, values)` of the distinct rows: duplicates summed first."""
+    if self._flat is not None:
+      return self._flat
+    if self._distinct or not _is_array(self.values):
+      return self.code, self.values
+    leaves = _distinct_leaves(self)
+    if not any(_is_tracer(x) for x in leaves):
+      object.__setattr__(self, '_flat', leaves)
+    return leaves
+
   def tree_flatten_with_keys(self):
-    return ((jax.tree_util.GetAttrKey('code'), self.code),
-            (jax.tree_util.GetAttrKey('values'), self.values)), self.num_rows
+    code, values = self._leaves()
+    return ((jax.tree_util.GetAttrKey('code'), code),
+            (jax.tree_util.GetAttrKey('values'), values)), self.num_rows
 
   def tree_flatten(self):
-    return (self.code, self.values), self.num_rows
+    return self._leaves(), self.num_rows
 
   @classmethod
   def tree_unflatten(cls, num_rows, children):
     # No validation here: JAX rebuilds pytrees with arbitrary leaves
     # (tracers, shape structs, None, sentinels) while transforming them.
-    obj = object.__new__(cls)
-    obj._set(children[0], None, children[1], num_rows)
-    return obj
+    # Leaves come from a flattening, which sums repeated ids: distinct.
+    return cls._from_code(children[0], children[1], num_rows, distinct=True)
 
   @classmethod
-  def from_unique(cls, ids: jax.Array, values: jax.Array,
-                  num_rows: int) -> 'SparseRows':
+  def from_unique(cls, ids: jax.Array, values: jax.Array, num_rows: int, *,
+                  distinct: bool = False) -> 'SparseRows':
     """Builds a `SparseRows` without checks (ids may hold `num_rows` slots).
 
     For the library's own outputs, whose unused slots point one past the
@@ -173,6 +238,8 @@ class SparseRows(metaclass=_SparseRowsType):
       ids: integer vector `[N]`.
       values: `[N, *row_shape]`.
       num_rows: the row count of the dense array.
+      distinct: whether the caller guarantees that no row id (other than the
+        padding id `num_rows`) appears twice.
 
     Returns:
       A `SparseRows`.
@@ -180,7 +247,7 @@ class SparseRows(metaclass=_SparseRowsType):
     num_rows = int(num_rows)
     obj = object.__new__(cls)
     obj._set(None, jnp.asarray(ids).astype(index_dtype(num_rows)), values,
-             num_rows)
+             num_rows, distinct=distinct)
     return obj
 
   @classmethod
@@ -221,7 +288,7 @@ class SparseRows(metaclass=_SparseRowsType):
     if len(known) == len(parts):
       return cls.from_unique(jnp.concatenate(known), values, first.num_rows)
     code = jnp.concatenate([p.code for p in parts])
-    return cls.tree_unflatten(first.num_rows, (code, values))
+    return cls._from_code(code, values, first.num_rows, distinct=False)
 
   # -- array-like description -----------------------------------------------
   @property
@@ -289,6 +356,12 @@ class SparseRows(metaclass=_SparseRowsType):
     Raises:
       TypeError, ValueError: naming `where` and what to do instead.
     """
+    ids_or_code = self._ids if self._ids is not None else self.code
+    missing = (_sharding.varying_axes(ids_or_code)
+               - _sharding.varying_axes(self.values))
+    if missing:
+      raise ValueError(validate.reduced_values_message(where,
+                                                       sorted(missing)))
     if self._ids is not None:  # built here, not by tree arithmetic
       return
     validate.id_code_structure(self.code, self.values,
@@ -331,9 +404,12 @@ class SparseRows(metaclass=_SparseRowsType):
       return jnp.where(keep, ids, jnp.asarray(self.num_rows, ids.dtype))
     decoded = id_code.decode(self.code, index_dtype(self.num_rows))
     ids = decoded.ids
-    all_intact = jnp.all(decoded.intact | decoded.empty)
+    # An entry that reads "no row" while its values are not zero lost its
+    # ids (a tiny scale factor flushed the code to zero): damage too.
+    emptied = decoded.empty & _rows_nonzero(self.values)
+    all_intact = jnp.all((decoded.intact | decoded.empty) & ~emptied)
     if _is_tracer(all_intact) and self.num_ids:
-      damaged = jnp.sum(~(decoded.intact | decoded.empty))
+      damaged = jnp.sum(~(decoded.intact | decoded.empty) | emptied)
       jax.lax.cond(
           all_intact, lambda n: None,
           lambda n: jax.debug.callback(_warn_damaged, where, n, self.num_ids),
@@ -438,3 +514,70 @@ def deduplicate(grad: SparseRows,
   where = where or 'a SparseRows'
   ids, values = dedup.unique_rows(*dedup.prepare(grad, where))
   return UniqueRows(ids, values)
+
+
+def _is_array(x: Any) -> bool:
+  return isinstance(x, (jax.Array, np.ndarray))
+
+
+def _with_out_of_range(unique_ids: jax.Array, ids: jax.Array,
+                       outside: jax.Array, num_rows: int) -> jax.Array:
+  """`unique_ids` whose unused slots also hold the out-of-range ids.
+
+  They touch no row either way; kept, the checked mode can still report them.
+  There are at least as many unused slots as out-of-range ids.
+  """
+  n = ids.shape[0]
+  unused = unique_ids == num_rows
+  unused_rank = jnp.cumsum(unused.astype(jnp.int32)) - 1
+  kth_unused = jnp.zeros((n,), jnp.int32).at[
+      jnp.where(unused, unused_rank, n)].set(jnp.arange(n, dtype=jnp.int32),
+                                             mode='drop')
+  outside_rank = jnp.cumsum(outside.astype(jnp.int32)) - 1
+  target = jnp.where(outside, kth_unused[outside_rank], n)
+  return unique_ids.at[target].set(ids, mode='drop')
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _distinct_from_ids(ids: jax.Array, values: jax.Array,
+                       num_rows: int) -> tuple[jax.Array, jax.Array]:
+  ids = _sharding.replicate_if_explicit(ids)
+  values = _sharding.replicate_if_explicit(values)
+  outside = (ids < 0) | (ids > num_rows)
+  safe = jnp.where(outside, jnp.asarray(num_rows, ids.dtype), ids)
+  unique_ids, summed = dedup.unique_rows(safe, values, num_rows)
+  unique_ids = _with_out_of_range(unique_ids, ids, outside, num_rows)
+  return id_code.encode(unique_ids), summed
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _distinct_from_code(code: jax.Array, values: jax.Array,
+                        num_rows: int) -> tuple[jax.Array, jax.Array]:
+  # A damaged code is passed on as it is, so that its consumer still sees
+  # (and reports) the damage rather than a code that names no row.
+  decoded = id_code.decode(code, index_dtype(num_rows))
+  emptied = decoded.empty & _rows_nonzero(values)
+  ok = jnp.all((decoded.intact | decoded.empty) & ~emptied)
+  ids = decoded.ids
+  outside = decoded.intact & ((ids < 0) | (ids > num_rows))
+  keep = decoded.intact & ~outside
+  safe = jnp.where(keep, ids, jnp.asarray(num_rows, ids.dtype))
+  unique_ids, summed = dedup.unique_rows(safe, values, num_rows)
+  unique_ids = _with_out_of_range(unique_ids, ids, outside, num_rows)
+  return (jnp.where(ok, id_code.encode(unique_ids), code),
+          jnp.where(ok, summed, values))
+
+
+def _distinct_leaves(x: SparseRows) -> tuple[Any, Any]:
+  """The pytree leaves of `x`: its distinct rows, repeated ids summed."""
+  # pylint: disable=protected-access
+  if x.num_ids == 0:
+    return x.code, x.values
+  if x._ids is not None:
+    return _distinct_from_ids(x._ids, x.values, x.num_rows)
+  code = x.code
+  width = id_code.code_width(index_dtype(x.num_rows))
+  if (not _is_array(code) or jnp.result_type(code) != jnp.float32
+      or jnp.shape(code) != (x.num_ids, width)):
+    return code, x.values  # a cast or reshape, reported where consumed
+  return _distinct_from_code(code, x.values, x.num_rows)

@@ -101,6 +101,7 @@ def _gather_rows(x: SparseRows, axis_name: Any, divide: bool) -> SparseRows:
   # buffers are summed: the result is the all-gather of the rows, replicated
   # (so `shard_map` can return it with `out_specs=P()`), and adding zeros
   # leaves the id code exact.
+  x.check('a SparseRows gradient combined across devices')
   size = jax.lax.psum(1, axis_name)
   start = jax.lax.axis_index(axis_name) * x.num_ids
 
@@ -115,7 +116,8 @@ def _gather_rows(x: SparseRows, axis_name: Any, divide: bool) -> SparseRows:
     values = values / size
   if _trusted(x):
     return SparseRows.from_unique(gathered(x.ids), values, x.num_rows)
-  return SparseRows.tree_unflatten(x.num_rows, (gathered(x.code), values))
+  return SparseRows._from_code(  # pylint: disable=protected-access
+      gathered(x.code), values, x.num_rows, distinct=False)
 
 
 def _trusted(x: SparseRows) -> bool:

@@ -25,8 +25,21 @@ def damaged_ids_message(where: str, count: Any, total: int) -> str:
   return (
       f'The row ids of {where} were changed by arithmetic on the gradient '
       f'tree ({count} of {total} ids damaged): jax.tree.map of add, subtract '
-      'or mean, lax.psum, lax.pmean or a cast reached the ids of a '
-      f'SparseRows. {_COMBINE}')
+      'or mean, lax.psum, lax.pmean, a cast, added noise, or a scale factor '
+      'of magnitude below 2**-66 (about 1.4e-20, which flushes the ids to '
+      f'zero) reached the ids of a SparseRows. {_COMBINE}')
+
+
+def reduced_values_message(where: str, axes: Any) -> str:
+  """The message for values summed across devices while the ids were not."""
+  return (
+      f'The values of {where} do not vary over the mesh axes {list(axes)} '
+      'while its row ids do: inside jax.shard_map (check_vma=True) autodiff '
+      'already summed the gradient of a replicated input across devices, so '
+      "each device's ids would get other devices' values. Build the gradient "
+      'with lazy_optax.value_and_grad (or differentiate with respect to the '
+      'looked-up rows, which vary with the ids), then combine devices with '
+      'lazy_optax.tree_psum or lazy_optax.tree_pmean.')
 
 
 def num_rows(value: Any) -> int:
@@ -110,6 +123,43 @@ def same_shape(got: tuple[int, ...], expected: tuple[int, ...],
     raise ValueError(
         f'{where[0].upper()}{where[1:]} has shape {tuple(got)} but its '
         f'SparseRows is for shape {tuple(expected)}.')
+
+
+def _python_number(x: Any) -> bool:
+  # Arrays (`optax.inject_hyperparams` passes them, traced under jit) and
+  # schedules pass through: only numbers known when the optimizer is built
+  # are checked.
+  return (isinstance(x, (int, float, np.integer, np.floating))
+          and not isinstance(x, bool))
+
+
+_RANGES = {
+    'beta': ('in [0, 1)', lambda x: 0 <= x < 1),
+    'non_negative': ('>= 0', lambda x: x >= 0),
+    'positive': ('> 0', lambda x: x > 0),
+    'non_positive': ('<= 0', lambda x: x <= 0),
+}
+
+
+def hyperparameters(fn: str, **kinds: dict[str, Any]) -> None:
+  """Checks an optimizer's hyperparameters that are Python numbers.
+
+  One place and one wording for every optimizer: `'{fn}: {name} must be
+  in [0, 1), got {value}.'`. Arrays, traced values and schedules pass.
+
+  Args:
+    fn: the public function's name, for the message.
+    **kinds: for each kind of range (`beta` for [0, 1), `non_negative`,
+      `positive`, `non_positive`), a dict of argument name to value.
+
+  Raises:
+    ValueError: naming the first argument out of its range.
+  """
+  for kind, values in kinds.items():
+    wording, ok = _RANGES[kind]
+    for name, value in values.items():
+      if _python_number(value) and not ok(value):
+        raise ValueError(f'{fn}: {name} must be {wording}, got {value!r}.')
 
 
 def floating(dtype: Any, where: str, what: str = 'gradients') -> None:

@@ -1,0 +1,331 @@
+"""Every composition docs/semantics.md lists: equal to dense training, or loud.
+
+Each test runs the composition on row-sparse gradients with repeated ids and
+compares the parameters with the same composition on the dense gradients
+(`to_dense`, duplicates summed), or with the float64 model of the rule; or it
+checks the error (at trace time) or the report (under `jax.jit`: no row
+written, a warning, and a `CheckError` in checked mode) that the table in
+docs/semantics.md promises.
+"""
+
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lazy_optax
+from lazy_optax import SparseRows
+import reference
+
+V, D = 12, 3
+
+
+def _batches(steps=3, n=7, seed=0):
+  rng = np.random.default_rng(seed)
+  out = []
+  for _ in range(steps):
+    ids = rng.integers(0, V // 2, size=n)       # many repeated ids
+    ids[:3] = ids[0]                            # a hot id in three slots
+    values = rng.normal(size=(n, D)).astype(np.float32) * 3
+    out.append((jnp.asarray(ids, jnp.int32), jnp.asarray(values)))
+  return out
+
+
+def _table():
+  return jnp.asarray(np.random.default_rng(1).normal(size=(V, D)), jnp.float32)
+
+
+def _run_sparse(tx, batches, jit):
+  params = {'t': _table()}
+  state = tx.init(params)
+
+  def step(params, state, g):
+    updates, state = tx.update({'t': g}, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  if jit:
+    step = jax.jit(step)
+  for ids, values in batches:
+    params, state = step(params, state, SparseRows(ids, values, V))
+  return np.asarray(params['t'])
+
+
+def _run_dense(tx, batches):
+  params = {'t': _table()}
+  state = tx.init(params)
+  for ids, values in batches:
+    g = {'t': SparseRows(ids, values, V).to_dense()}
+    updates, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, updates)
+  return np.asarray(params['t'])
+
+
+# -- group 1: equal to dense training ------------------------------------------
+
+EQUAL_BEFORE_LAZY = {
+    'clip_by_global_norm': lambda: optax.clip_by_global_norm(1.0),
+    'clip': lambda: optax.clip(0.5),
+    'scale': lambda: optax.scale(0.3),
+    'normalize_by_update_norm': lambda: optax.normalize_by_update_norm(0.7),
+    'zero_nans': optax.zero_nans,
+    'jmp_style_unscale': lambda: optax.stateless(
+        lambda u, p=None: jax.tree.map(lambda x: x / 1024.0, u)),
+}
+
+
+@pytest.mark.parametrize('jit', [False, True], ids=['eager', 'jit'])
+@pytest.mark.parametrize('name', sorted(EQUAL_BEFORE_LAZY))
+def test_transform_before_lazy_equals_dense(name, jit):
+  """A stateless transform outside lazy(...) sees what dense training sees:
+  the duplicate-summed rows (the leaves of a SparseRows hold distinct ids)."""
+  make = EQUAL_BEFORE_LAZY[name]
+  lazy = optax.chain(make(), lazy_optax.lazy(optax.sgd(1.0)))
+  dense = optax.chain(make(), optax.sgd(1.0))
+  np.testing.assert_allclose(_run_sparse(lazy, _batches(), jit),
+                             _run_dense(dense, _batches()),
+                             rtol=1e-6, atol=1e-6)
+
+
+def test_issue_reproduction_clip_before_lazy():
+  """ids [1, 1, 1, 1, 2], rows of ones: dense norm sqrt(17), not sqrt(5)."""
+  g = SparseRows(jnp.array([1, 1, 1, 1, 2]), jnp.ones((5, 1)), 4)
+  params = {'t': jnp.zeros((4, 1))}
+  for clip, row1 in ((optax.clip_by_global_norm(1.0), -4 / np.sqrt(17)),
+                     (optax.clip(0.5), -0.5)):
+    tx = optax.chain(clip, lazy_optax.lazy(optax.sgd(1.0)))
+    updates, _ = tx.update({'t': g}, tx.init(params), params)
+    new = lazy_optax.apply_updates(params, updates)['t'][:, 0]
+    np.testing.assert_allclose(new[1], row1, rtol=1e-6)
+
+
+def test_zero_nans_before_lazy_matches_dense_with_a_nan():
+  ids = jnp.array([2, 2, 5])
+  values = jnp.array([[1., np.nan, 1.], [1., 1., 1.], [2., 2., 2.]])
+  tx = optax.chain(optax.zero_nans(), lazy_optax.lazy(optax.sgd(1.0)))
+  dense = optax.chain(optax.zero_nans(), optax.sgd(1.0))
+  np.testing.assert_allclose(_run_sparse(tx, [(ids, values)], True),
+                             _run_dense(dense, [(ids, values)]))
+
+
+def test_clip_before_lazy_adam_equals_float64_rule():
+  batches = _batches(steps=4)
+  got = _run_sparse(optax.chain(optax.clip_by_global_norm(0.5),
+                                lazy_optax.lazy_adam(0.1)), batches, True)
+  ref = reference.TFLazyAdam(_table(), lr=0.1)
+  for ids, values in batches:
+    summed = np.zeros((V, D))
+    np.add.at(summed, np.asarray(ids), np.asarray(values, np.float64))
+    scale = min(1.0, 0.5 / np.linalg.norm(summed))
+    ref.step(np.asarray(ids), np.asarray(values, np.float64) * scale)
+  np.testing.assert_allclose(got, ref.p, rtol=2e-5, atol=2e-6)
+
+
+def test_apply_if_finite_around_clip_and_lazy_adam_equals_dense_adam_rows():
+  """apply_if_finite skips a step with an inf; the others are applied."""
+  batches = _batches(steps=3)
+  ids, values = batches[1]
+  batches[1] = (ids, values.at[0, 0].set(jnp.inf))
+  tx = optax.apply_if_finite(optax.chain(optax.clip_by_global_norm(1.0),
+                                         lazy_optax.lazy(optax.sgd(1.0))), 5)
+  dense = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(1.0))
+  np.testing.assert_allclose(_run_sparse(tx, batches, True),
+                             _run_dense(dense, [batches[0], batches[2]]),
+                             rtol=1e-6, atol=1e-6)
+
+
+def test_masked_table_equals_dense():
+  mask = {'t': True}
+  tx = optax.masked(lazy_optax.lazy(optax.sgd(0.5)), mask)
+  np.testing.assert_allclose(
+      _run_sparse(tx, _batches(), True),
+      _run_dense(optax.masked(optax.sgd(0.5), mask), _batches()), rtol=1e-6)
+
+
+@pytest.mark.parametrize('scale', [2.0 ** -66, 1e-19, 1e-6, 1e6, 3e30])
+def test_scaling_the_tree_keeps_the_rows(scale):
+  """Any factor of magnitude >= 2**-66 keeps the rows (docs/semantics.md)."""
+  ids, values = _batches(steps=1)[0]
+
+  @jax.jit
+  def scaled(g):
+    return jax.tree.map(lambda x: x * scale, g)
+
+  g = scaled(SparseRows(ids, values, V))
+  np.testing.assert_allclose(
+      g.to_dense(), SparseRows(ids, values, V).to_dense() * np.float32(scale),
+      rtol=1e-6)
+
+
+# -- group 2: an error at trace time that says what to write instead -------
+
+def _first_step(tx):
+  params = {'t': _table()}
+  ids, values = _batches(steps=1)[0]
+  return jax.jit(tx.update)({'t': SparseRows(ids, values, V)},
+                            tx.init(params), params)
+
+
+@pytest.mark.parametrize('make', [
+    optax.scale_by_adam,
+    lambda: optax.add_decayed_weights(1e-4),
+    lambda: optax.MultiSteps(optax.sgd(0.1), 2),
+], ids=['scale_by_adam', 'add_decayed_weights', 'MultiSteps'])
+def test_transform_pairing_sparse_with_dense_raises_with_advice(make):
+  tx = make()
+  if not isinstance(tx, optax.MultiSteps):
+    tx = optax.chain(tx, lazy_optax.lazy(optax.sgd(1.0)))
+  with pytest.raises(ValueError, match=r"(?s)key path.*\['t'\].*lazy_optax"):
+    _first_step(tx)
+
+
+def test_partition_sending_a_table_to_a_plain_optimizer_names_it():
+  tx = optax.partition({'lazy': lazy_optax.lazy_adam(0.1),
+                        'dense': optax.adam(0.1)}, {'t': 'dense'})
+  with pytest.raises(ValueError, match=r"(?s)\['t'\].*lazy_optax.lazy\(\.\.\.\)"):
+    _first_step(tx)
+
+
+def test_equinox_apply_updates_names_the_lazy_optax_one():
+  eqx = pytest.importorskip('equinox')
+  g = SparseRows(jnp.array([1]), jnp.ones((1, D)), V)
+  with pytest.raises(ValueError,
+                     match='lazy_optax.equinox.apply_updates'):
+    eqx.apply_updates({'t': _table()}, {'t': g})
+
+
+@pytest.mark.parametrize('ids_per_step', [{}, {'other': 3}],
+                         ids=['empty', 'another_table'])
+def test_multi_steps_without_the_table_in_ids_per_step_raises(ids_per_step):
+  params = {'t': _table(), 'other': jnp.zeros((5, 2))}
+  tx = lazy_optax.multi_steps(lazy_optax.lazy_adam(0.1), 2,
+                              ids_per_step=ids_per_step)
+  other = (SparseRows(jnp.array([1, 2, 3]), jnp.ones((3, 2)), 5)
+           if ids_per_step else jnp.zeros((5, 2)))
+  grads = {'t': SparseRows(jnp.array([1, 1]), jnp.ones((2, D)), V),
+           'other': other}
+  with pytest.raises(ValueError, match=r"ids_per_step.*'t': <ids per step>"):
+    jax.jit(tx.update)(grads, tx.init(params), params)
+
+
+def test_multi_steps_moves_only_rows_of_the_window():
+  """With the table named, rows absent from a window never move."""
+  params = {'t': _table()}
+  tx = lazy_optax.multi_steps(lazy_optax.lazy_adam(0.1), 2,
+                              ids_per_step={'t': 7})
+  state = tx.init(params)
+  touched = set()
+  step = jax.jit(lambda p, s, g: tx.update({'t': g}, s, p))
+  for ids, values in _batches(steps=4):
+    touched |= set(np.asarray(ids).tolist())
+    updates, state = step(params, state, SparseRows(ids, values, V))
+    params = lazy_optax.apply_updates(params, updates)
+  moved = set(np.flatnonzero(np.any(np.asarray(params['t']) != np.asarray(
+      _table()), axis=1)).tolist())
+  assert moved == touched
+
+
+# -- group 3: under jit, no row written, and reported ------------------------
+
+def _jit_step_with(change):
+  tx = lazy_optax.with_id_checks(lazy_optax.lazy(optax.sgd(1.0)))
+  params = {'t': _table()}
+  ids, values = _batches(steps=1)[0]
+
+  @jax.jit
+  def step(params, state, g):
+    g = change(g)
+    updates, state = tx.update({'t': g}, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  return step, params, tx.init(params), SparseRows(ids, values, V)
+
+
+@pytest.mark.parametrize('change', [
+    lambda g: jax.tree.map(lambda x: x * 1e-30, g),
+    lambda g: jax.tree.map(lambda x: x * 2.0 ** -70, g),
+    lambda g: jax.tree.map(jnp.add, g, SparseRows(
+        jnp.arange(7) % V, jnp.ones((7, D)), V)),
+    lambda g: optax.add_noise(0.1, 0.5, 0).update(
+        g, optax.add_noise(0.1, 0.5, 0).init(g))[0],
+], ids=['scale_1e-30', 'scale_2^-70', 'tree_add', 'add_noise'])
+def test_damage_under_jit_writes_no_row_warns_and_is_checked(change):
+  step, params, state, g = _jit_step_with(change)
+  with pytest.raises(lazy_optax.CheckError, match='row ids of parameter t'):
+    lazy_optax.checked(step)(params, state, g)
+  sgd = lazy_optax.lazy(optax.sgd(1.0))
+  plain = jax.jit(lambda p, s, g: lazy_optax.apply_updates(
+      p, sgd.update({'t': change(g)}, s, p)[0]))
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter('always')
+    new = jax.block_until_ready(plain(params, sgd.init(params), g))
+  assert any(re.search('row ids of parameter t', str(w.message))
+             for w in caught)
+  np.testing.assert_array_equal(new['t'], params['t'])
+
+
+# -- keyword deprecation and hyperparameters ---------------------------------
+
+def test_indices_keyword_is_deprecated_and_still_works():
+  with pytest.warns(DeprecationWarning, match='SparseRows\\(ids=...\\)'):
+    g = SparseRows(indices=jnp.array([3, 1]), values=jnp.ones((2, 1)),
+                   num_rows=5)
+  np.testing.assert_array_equal(g.ids, [3, 1])
+  with pytest.raises(TypeError, match='once'):
+    SparseRows(jnp.array([1]), jnp.ones((1, 1)), 5, indices=jnp.array([1]))
+  with pytest.raises(TypeError, match="'num_rows'"):
+    SparseRows(jnp.array([1]), jnp.ones((1, 1)))
+
+
+OPTIMIZERS = {
+    'lazy_adam': lambda **kw: lazy_optax.lazy_adam(0.1, **kw),
+    'lazy_adamw': lambda **kw: lazy_optax.lazy_adamw(0.1, **kw),
+    'scale_by_lazy_adam': lazy_optax.scale_by_lazy_adam,
+    'row_adam': lambda **kw: lazy_optax.row_adam(0.1, **kw),
+    'scale_by_row_adam': lazy_optax.scale_by_row_adam,
+    'partial_rowwise_adam': lambda **kw: lazy_optax.partial_rowwise_adam(
+        0.1, **kw),
+    'scale_by_partial_rowwise_adam': lazy_optax.scale_by_partial_rowwise_adam,
+}
+BAD = [('b1', 1.5, r'b1 must be in \[0, 1\), got 1.5'),
+       ('b2', -0.1, r'b2 must be in \[0, 1\), got -0.1'),
+       ('eps', -1.0, r'eps must be >= 0, got -1.0')]
+
+
+@pytest.mark.parametrize('arg,value,message', BAD, ids=[b[0] for b in BAD])
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_adam_family_checks_hyperparameters_alike(name, arg, value, message):
+  with pytest.raises(ValueError, match=f'^{name}: {message}.$'):
+    OPTIMIZERS[name](**{arg: value})
+
+
+@pytest.mark.parametrize('make,message', [
+    (lambda: lazy_optax.rowwise_adagrad(0.1, eps=-1.),
+     r'^rowwise_adagrad: eps must be >= 0, got -1.0.$'),
+    (lambda: lazy_optax.scale_by_rowwise_adagrad(
+        initial_accumulator_value=-1.),
+     r'^scale_by_rowwise_adagrad: initial_accumulator_value must be >= 0'),
+    (lambda: lazy_optax.ftrl(0.1, learning_rate_power=0.5),
+     r'^ftrl: learning_rate_power must be <= 0, got 0.5.$'),
+    (lambda: lazy_optax.ftrl(0.1, l1=-1.),
+     r'^ftrl: l1 must be >= 0, got -1.0.$'),
+    (lambda: lazy_optax.ftrl(0.0), r'^ftrl: learning_rate must be > 0'),
+    (lambda: lazy_optax.lazy_adamw(0.1, weight_decay=-1.),
+     r'^lazy_adamw: weight_decay must be >= 0'),
+])
+def test_lean_optimizers_check_hyperparameters_alike(make, message):
+  with pytest.raises(ValueError, match=message):
+    make()
+
+
+def test_traced_and_scheduled_hyperparameters_pass():
+  tx = optax.inject_hyperparams(lazy_optax.lazy_adam)(
+      learning_rate=optax.linear_schedule(0.1, 0.0, 10), b1=0.9)
+  params = {'t': _table()}
+  state = tx.init(params)
+  g = {'t': SparseRows(jnp.array([1]), jnp.ones((1, D)), V)}
+  updates, _ = jax.jit(tx.update)(g, state, params)
+  assert np.all(np.isfinite(updates['t'].values))
