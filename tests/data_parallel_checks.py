@@ -6,9 +6,11 @@ batch; `tree_psum`/`tree_pmean` combine the gradients, and the step must equal
 one device's step on the whole batch. A raw `lax.psum` of the same gradients
 damages the ids: no row is written.
 
-`shard_map` runs with `check_vma=False`: gradients are then per device, as
-under `pmap`, and the combining is explicit. (With `check_vma=True`, JAX sums
-the cotangents of replicated inputs by itself.)
+`shard_map` runs with `check_vma=True` (its default) and `False`:
+`value_and_grad` keeps the gradient rows per device either way. A
+`SparseRows` whose values autodiff already summed across devices (the
+gradient of a replicated input) while its ids stayed per device is refused
+at trace time. The data-parallel snippet of docs/semantics.md runs as it is.
 """
 
 import os
@@ -63,17 +65,19 @@ def main():
     updates, want_state = tx.update(grads, tx.init(params), params)
     want = lazy_optax.apply_updates(params, updates)
 
-    sharded = jax.jit(jax.shard_map(
-        local_step(combine, scale), mesh=mesh,
-        in_specs=(P(), P(), P('batch'), P('batch')), out_specs=(P(), P()),
-        check_vma=False))
-    got, got_state = sharded(params, tx.init(params), ids_split,
-                             targets_split)
-    for key in ('t', 'w'):
-      np.testing.assert_allclose(got[key], want[key], rtol=2e-6, atol=1e-7,
-                                 err_msg=f'shard_map {name} {key}')
-    np.testing.assert_allclose(got_state[0].nu['t'], want_state[0].nu['t'],
-                               rtol=2e-6, atol=1e-9)
+    for check_vma in (True, False):
+      sharded = jax.jit(jax.shard_map(
+          local_step(combine, scale), mesh=mesh,
+          in_specs=(P(), P(), P('batch'), P('batch')), out_specs=(P(), P()),
+          check_vma=check_vma))
+      got, got_state = sharded(params, tx.init(params), ids_split,
+                               targets_split)
+      for key in ('t', 'w'):
+        np.testing.assert_allclose(
+            got[key], want[key], rtol=2e-6, atol=1e-7,
+            err_msg=f'shard_map {name} check_vma={check_vma} {key}')
+      np.testing.assert_allclose(got_state[0].nu['t'], want_state[0].nu['t'],
+                                 rtol=2e-6, atol=1e-9)
 
     pmapped = jax.pmap(local_step(combine, scale), axis_name='batch',
                        in_axes=(None, None, 0, 0))
@@ -95,7 +99,50 @@ def main():
     np.testing.assert_array_equal(got['t'], params['t'])
     assert any('changed by arithmetic' in str(w.message) for w in caught), (
         raw, [str(w.message) for w in caught])
+  reduced_values_are_refused(mesh, params, ids_split)
+  docs_snippet_runs()
   print('data parallel checks passed')
+
+
+def reduced_values_are_refused(mesh, params, ids_split):
+  """Values summed across devices by autodiff, ids per device: refused."""
+
+  def step(params, ids):
+    zeros = jnp.zeros(ids.shape + (D,))         # replicated: not varying
+    values = jax.grad(lambda z: jnp.sum((z + 1.0) ** 2))(zeros)
+    g = {'t': lazy_optax.SparseRows(ids, values, V)}
+    return lazy_optax.tree_pmean(g, 'batch')['t'].to_dense()
+
+  sharded = jax.jit(jax.shard_map(step, mesh=mesh,
+                                  in_specs=(P(), P('batch')), out_specs=P()))
+  try:
+    sharded(params, ids_split)
+  except ValueError as e:
+    assert "do not vary over the mesh axes ['batch']" in str(e), e
+    assert 'lazy_optax.value_and_grad' in str(e), e
+  else:
+    raise AssertionError('reduced values were not refused')
+
+
+def docs_snippet_runs():
+  """The data-parallel snippet of docs/semantics.md, run as it is."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  docs = pathlib.Path(__file__).resolve().parent.parent / 'docs'
+  text = (docs / 'semantics.md').read_text()
+  code = re.search(r'<!-- test: data-parallel-snippet -->\n```python\n(.*?)```',
+                   text, re.S).group(1)
+  namespace = {}
+  exec(compile(code, 'docs/semantics.md', 'exec'), namespace)  # pylint: disable=exec-used
+  # One device on the whole batch gives the same table.
+  tx, loss_fn = namespace['tx'], namespace['loss_fn']
+  params0 = {'table': jnp.zeros((1000, 16)), 'w': jnp.ones((16,))}
+  ids = jnp.arange(64) % 100
+  _, grads = lazy_optax.value_and_grad(loss_fn)(params0, ids, jnp.ones(64))
+  updates, _ = tx.update(grads, tx.init(params0), params0)
+  want = lazy_optax.apply_updates(params0, updates)
+  np.testing.assert_allclose(namespace['params']['table'], want['table'],
+                             rtol=2e-6, atol=1e-7)
 
 
 if __name__ == '__main__':

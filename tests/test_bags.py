@@ -24,6 +24,17 @@ def _batch(seed, batch=6, max_len=5):
   return ids, lengths, mask, weights
 
 
+def _torch_bag_rows(table, ids, mask, mode):
+  """torch.nn.EmbeddingBag over a table of any row count."""
+  bag = torch.nn.EmbeddingBag(table.shape[0], table.shape[1], mode=mode)
+  with torch.no_grad():
+    bag.weight.copy_(torch.tensor(np.asarray(table)))
+  flat = torch.tensor(ids[mask], dtype=torch.int64)
+  offsets = torch.tensor(np.concatenate([[0], np.cumsum(mask.sum(1))[:-1]]),
+                         dtype=torch.int64)
+  return bag(flat, offsets), bag.weight
+
+
 def _torch_bag(table, ids, mask, mode, weights=None, padding_id=None):
   """torch.nn.EmbeddingBag on the real slots (1-D input with offsets)."""
   bag = torch.nn.EmbeddingBag(NUM_ROWS, DIM, mode=mode,
@@ -145,6 +156,29 @@ def test_bag_arguments_are_checked():
   assert out.shape == (1, 2)
   with pytest.raises(ValueError, match='id 99 at position'):
     lazy_optax.lookup_bag(table, jnp.array([[1, 99]]))
+  # Lengths that are no length of a bag of 2 slots.
+  for bad, first in (([3], 'lengths\\[0\\] = 3'), ([1, -1], 'lengths\\[1\\] = -1')):
+    with pytest.raises(ValueError, match=first + r'.*\[0, 2\]'):
+      lazy_optax.lookup_bag(table, jnp.ones((len(bad), 2), jnp.int32),
+                            lengths=jnp.array(bad))
+
+
+def test_max_mode_tie_gives_the_gradient_to_the_first_maximum_like_torch():
+  table = np.array([[1., 5.], [1., 2.], [0., 5.], [3., 0.]], np.float32)
+  ids = np.array([[0, 1, 2], [3, 3, 1]])          # ties in both bags
+  mask = np.ones(ids.shape, bool)
+  cotangent = np.array([[1., 2.], [3., 4.]], np.float32)
+  ref_out, ref_weight = _torch_bag_rows(table, ids, mask, 'max')
+  (ref_out * torch.tensor(cotangent)).sum().backward()
+
+  def loss_fn(params, ids):
+    out = lazy_optax.lookup_bag(params['table'], ids, mode='max')
+    return jnp.sum(out * cotangent)
+
+  _, grads = jax.jit(lazy_optax.value_and_grad(loss_fn))(
+      {'table': jnp.asarray(table)}, jnp.asarray(ids))
+  np.testing.assert_allclose(grads['table'].to_dense(),
+                             ref_weight.grad.numpy())
 
 
 def _layers():

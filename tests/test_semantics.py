@@ -267,6 +267,13 @@ def test_damage_under_jit_writes_no_row_warns_and_is_checked(change):
   np.testing.assert_array_equal(new['t'], params['t'])
 
 
+def test_centralize_before_lazy_is_reported():
+  step, params, state, g = _jit_step_with(
+      lambda g: optax.centralize().update(g, optax.centralize().init(g))[0])
+  with pytest.raises(lazy_optax.CheckError, match='row ids of parameter t'):
+    lazy_optax.checked(step)(params, state, g)
+
+
 # -- keyword deprecation and hyperparameters ---------------------------------
 
 def test_indices_keyword_is_deprecated_and_still_works():
@@ -329,3 +336,21 @@ def test_traced_and_scheduled_hyperparameters_pass():
   g = {'t': SparseRows(jnp.array([1]), jnp.ones((1, D)), V)}
   updates, _ = jax.jit(tx.update)(g, state, params)
   assert np.all(np.isfinite(updates['t'].values))
+
+
+def test_leaves_concatenated_by_a_tree_map_are_summed_again():
+  """Flattened rows are distinct; rows joined leaf by leaf may repeat ids and
+  are summed again before the scatter (never written twice)."""
+  (ids1, v1), (ids2, v2) = _batches(steps=2)
+
+  @jax.jit
+  def joined(g1, g2):
+    return jax.tree.map(lambda a, b: jnp.concatenate([a, b]), g1, g2)
+
+  g = joined(SparseRows(ids1, v1, V), SparseRows(ids2, v2, V))
+  both = [(jnp.concatenate([ids1, ids2]), jnp.concatenate([v1, v2]))]
+  tx = lazy_optax.lazy(optax.sgd(1.0))
+  params = {'t': _table()}
+  updates, _ = jax.jit(tx.update)({'t': g}, tx.init(params), params)
+  np.testing.assert_allclose(lazy_optax.apply_updates(params, updates)['t'],
+                             _run_dense(optax.sgd(1.0), both), rtol=1e-6)

@@ -121,7 +121,7 @@ def _row_leaves(leaves: _Leaves, skip_zero_rows: bool
   for i, (g, name) in enumerate(zip(leaves.grads, leaves.names)):
     if isinstance(g, SparseRows):
       check_sparse_leaf(g, leaves.params[i], name)
-      ids, values = dedup.unique_rows(*dedup.prepare(g, f'parameter {name}'))
+      ids, values = dedup.distinct_rows(g, f'parameter {name}')
       rows[i] = _RowLeaf(ids, None)
       row_grads[i] = values
     elif hasattr(g, 'dtype'):

@@ -182,6 +182,11 @@ class SparseRows(metaclass=_SparseRowsType):
     return obj
 
   @property
+  def has_trusted_ids(self) -> bool:
+    """Whether the ids were given (by the library), not read from a code."""
+    return self._ids is not None
+
+  @property
   def is_distinct(self) -> bool:
     """Whether no two slots name the same row (duplicates already summed)."""
     return self._distinct
