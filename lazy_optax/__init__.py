@@ -16,6 +16,8 @@ from lazy_optax._src.ftrl import ftrl
 from lazy_optax._src.ftrl import FtrlState
 from lazy_optax._src.grads import value_and_grad
 from lazy_optax._src.huge_pages import advise_huge_pages
+from lazy_optax._src.impls import explain_update
+from lazy_optax._src.impls import kernel_status
 
 # TensorFlow/Keras helpers, now in lazy_optax.compat; these top-level
 # aliases remain for one release (0.2) and are not in __all__.
@@ -67,10 +69,12 @@ __all__ = (
     'checked',
     'CheckError',
     'deduplicate',
+    'explain_update',
     'ftrl',
     'FtrlState',
     'init_sharded',
     'is_sparse_rows',
+    'kernel_status',
     'lazy',
     'lazy_adam',
     'lazy_adamw',

@@ -1,4 +1,4 @@
-"""lazy_adam's CPU kernel (`cpu_kernels.adam_rows`): used, right, optional."""
+"""The CPU kernels: every composition reaches them, right, optional."""
 
 import functools
 import os
@@ -10,10 +10,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from reference import TFLazyAdam
 
 import lazy_optax
 from lazy_optax._src import cpu_kernels
+
+KERNEL = 'lazy_optax_LazyOptaxAdam'
 
 
 def _step(tx, num_rows):
@@ -25,21 +28,64 @@ def _step(tx, num_rows):
   return step
 
 
-def test_built_here_and_used_by_lazy_adam():
-  # This machine has a C++ compiler: the kernel must build and be called.
-  assert cpu_kernels.available()
-  tx = lazy_optax.lazy_adam(1e-3)
-  params = {'table': jnp.zeros((100, 8)), 'w': jnp.zeros((8,))}
-  hlo = _step(tx, 100).lower(
-      params, tx.init(params), jnp.zeros((16,), jnp.int32),
-      jnp.zeros((16, 8)), jnp.zeros((8,))).as_text()
-  assert 'lazy_optax_adam_rows' in hlo
-  # Dense leaves, AMSGrad and 16-bit moments keep the XLA path.
-  tx = lazy_optax.lazy_adam(1e-3, amsgrad=True)
-  hlo = _step(tx, 100).lower(
-      params, tx.init(params), jnp.zeros((16,), jnp.int32),
-      jnp.zeros((16, 8)), jnp.zeros((8,))).as_text()
-  assert 'lazy_optax_adam_rows' not in hlo
+_LABELS = lazy_optax.path_labels(
+    lambda name: 'tables' if name == 'table' else 'rest')
+
+# Every composition that the docs show around lazy_adam's rule.
+COMPOSITIONS = {
+    'lazy_adam': lambda lr, impl: lazy_optax.lazy_adam(lr, impl=impl),
+    'lazy(chain(scale_by_lazy_adam, scale_by_learning_rate))':
+        lambda lr, impl: lazy_optax.lazy(optax.chain(
+            lazy_optax.scale_by_lazy_adam(impl=impl),
+            optax.scale_by_learning_rate(lr))),
+    'inject_hyperparams(lazy_adam)':
+        lambda lr, impl: optax.inject_hyperparams(lazy_optax.lazy_adam)(
+            learning_rate=lr, impl=impl),
+    'chain(clip_by_global_norm, lazy_adam)':
+        lambda lr, impl: optax.chain(optax.clip_by_global_norm(1.0),
+                                     lazy_optax.lazy_adam(lr, impl=impl)),
+    'partition(path_labels)':
+        lambda lr, impl: optax.partition(
+            {'tables': lazy_optax.lazy_adam(lr, impl=impl),
+             'rest': optax.adam(lr)}, _LABELS),
+}
+
+
+@pytest.mark.parametrize('name', sorted(COMPOSITIONS))
+def test_every_composition_reaches_the_kernel_and_equals_generic(name):
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  lr = optax.linear_schedule(0.05, 0.01, 4)
+  num_rows = 30
+  rng = np.random.default_rng(0)
+  table = rng.normal(size=(num_rows, 4)).astype(np.float32)
+
+  def train(tx):
+    params = {'table': jnp.asarray(table), 'w': jnp.ones((4,))}
+    state = tx.init(params)
+    step = _step(tx, num_rows)
+    data = np.random.default_rng(1)
+    for _ in range(4):
+      ids = jnp.asarray(data.integers(0, num_rows, 9), jnp.int32)
+      values = jnp.asarray(data.normal(size=(9, 4)), jnp.float32)
+      params, state = step(params, state, ids, values, jnp.ones((4,)))
+    return params, state, step
+
+  params, state, step = train(COMPOSITIONS[name](lr, 'auto'))
+  args = (jnp.zeros((9,), jnp.int32), jnp.zeros((9, 4)), jnp.ones((4,)))
+  hlo = step.lower(params, state, *args).compile().as_text()
+  assert KERNEL in hlo
+  # Nothing else touches the tables (no table-shaped XLA scatter), and the
+  # deduplication is the kernel's (no sort).
+  assert not [line for line in hlo.splitlines()
+              if ' scatter(' in line and f'[{num_rows},4]' in line]
+  assert ' sort(' not in hlo
+  choice = lazy_optax.explain_update(
+      COMPOSITIONS[name](lr, 'auto'), {'table': lazy_optax.SparseRows(
+          args[0], args[1], num_rows), 'w': args[2]}, state, params)
+  assert choice['table'].impl == 'cpu_kernel', choice
+  expected, _, _ = train(COMPOSITIONS[name](lr, 'generic'))
+  np.testing.assert_allclose(params['table'], expected['table'], rtol=2e-6,
+                             atol=1e-7)
 
 
 def _train_with_reference(table, lr, batches):
@@ -129,7 +175,7 @@ _SCRIPT = textwrap.dedent('''
       vals = jnp.asarray(rng.normal(size=(12, 4)), jnp.float32)
       params, state = step(params, state, ids, vals)
     hlo = jax.jit(step).lower(params, state, ids, vals).as_text()
-    print(cpu_kernels.available(), 'lazy_optax_adam_rows' in hlo)
+    print(cpu_kernels.loaded(), 'lazy_optax_LazyOptax' in hlo)
     np.save(sys.argv[1], np.asarray(params['table']))
 ''')
 
@@ -149,26 +195,6 @@ def test_switched_off_by_environment_gives_the_same_table(tmp_path):
   np.testing.assert_allclose(out['1'][1], out['0'][1], rtol=1e-6, atol=1e-7)
 
 
-def test_no_compiler_means_the_xla_path(monkeypatch, tmp_path):
-  monkeypatch.setattr(cpu_kernels, '_compiler', lambda: None)
-  monkeypatch.setenv('LAZY_OPTAX_CACHE', str(tmp_path))
-  cpu_kernels.available.cache_clear()
-  try:
-    assert not cpu_kernels.available()
-    assert not cpu_kernels.usable()
-    tx = lazy_optax.lazy_adam(0.1)
-    params = {'table': jnp.zeros((10, 2)), 'w': jnp.zeros((2,))}
-    hlo = _step(tx, 10).lower(
-        params, tx.init(params), jnp.array([1, 1], jnp.int32),
-        jnp.ones((2, 2)), jnp.zeros((2,))).as_text()
-    assert 'lazy_optax_adam_rows' not in hlo
-    assert list(tmp_path.iterdir()) == []
-  finally:
-    monkeypatch.undo()
-    cpu_kernels.available.cache_clear()
-  assert cpu_kernels.available()
-
-
 def test_large_batch_shared_over_threads_matches_float64_rule():
   # 4,096 ids drawn from 5,000 of 20,000 rows of 64: about 2,800 distinct
   # rows, enough values for the kernel to share its row updates over XLA's
@@ -186,22 +212,23 @@ def test_large_batch_shared_over_threads_matches_float64_rule():
   np.testing.assert_allclose(nu, ref.v, rtol=2e-5, atol=1e-9)
 
 
-def test_vmapped_over_an_ensemble_equals_the_xla_path(monkeypatch):
-  tx = lazy_optax.lazy_adam(0.1)
-
-  def step(p, s, ids, vals):
-    u, s = tx.update({'t': lazy_optax.SparseRows(ids, vals, 10)}, s, p)
-    return lazy_optax.apply_updates(p, u), s
+def test_vmapped_over_an_ensemble_equals_the_generic_path():
+  def step(tx):
+    def fn(p, s, ids, vals):
+      u, s = tx.update({'t': lazy_optax.SparseRows(ids, vals, 10)}, s, p)
+      return lazy_optax.apply_updates(p, u), s
+    return jax.vmap(fn)
 
   params = {'t': jnp.ones((3, 10, 4))}
+  tx = lazy_optax.lazy_adam(0.1)
   state = jax.vmap(tx.init)(params)
   ids = jnp.array([[1, 2, 1], [3, 3, 3], [0, 9, 5]], jnp.int32)
   vals = jnp.arange(36, dtype=jnp.float32).reshape(3, 3, 4)
-  lowered = jax.jit(jax.vmap(step)).lower(params, state, ids, vals)
-  assert 'lazy_optax_adam_rows' in lowered.as_text()
+  lowered = jax.jit(step(tx)).lower(params, state, ids, vals)
+  assert KERNEL in lowered.as_text()
   with_kernel = lowered.compile()(params, state, ids, vals)
-  monkeypatch.setattr(cpu_kernels, 'usable', lambda: False)
-  without = jax.jit(jax.vmap(step))(params, state, ids, vals)
+  without = jax.jit(step(lazy_optax.lazy_adam(0.1, impl='generic')))(
+      params, state, ids, vals)
   for a, b in zip(jax.tree.leaves(with_kernel), jax.tree.leaves(without)):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   # Member 1 summed its three ids into row 3 alone.

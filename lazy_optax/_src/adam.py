@@ -11,31 +11,25 @@ Per step, for the rows the batch touched (duplicates summed first):
 This differs from `optax.adam`, which bias-corrects `m` and `v` first and
 adds `eps` to `sqrt(v_hat)`; the two agree as `eps -> 0`.
 
-On one CPU device, float32 `SparseRows` leaves with float32 moments go
-through `cpu_kernels.adam_rows` (one `jax.ffi` call per table), the rest of
-the tree through `lazy(...)`.
+The rule is a `fused.RowRule`: inside `lazy(...)` its row update runs as the
+C++ kernel on CPU, XLA's row update elsewhere, or `lazy`'s generic path
+(`impl=`; see `fused`).
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, NamedTuple, Optional
 
 import chex
-import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from lazy_optax._src import cpu_kernels
-from lazy_optax._src import dedup
+from lazy_optax._src import fused
 from lazy_optax._src import validate
-from lazy_optax._src.lazy import check_sparse_leaf
-from lazy_optax._src.lazy import lazy_with_rule
+from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import compute_dtype
 from lazy_optax._src.numerics import one_minus_power
-from lazy_optax._src.paths import path_name
-from lazy_optax._src.sparse_rows import is_sparse_rows
-from lazy_optax._src.sparse_rows import SparseRows
 
 
 class ScaleByLazyAdamState(NamedTuple):
@@ -59,147 +53,52 @@ def _bias_correction(b1: Any, b2: Any, count: Any, dtype: Any) -> Any:
           / one_minus_power(b1, count, dtype))
 
 
-def _epsilon_hat_updates(updates: Any, count: Any, mu: Any, nu: Any, *,
-                         b1: float, b2: float, eps: float,
-                         eps_root: float) -> Any:
-  """The step `correction * m / (sqrt(v + eps_root) + eps)` of every leaf."""
+def _second_moment(amsgrad: bool) -> str:
+  return 'nu_max' if amsgrad else 'nu'
 
-  def step(g, m, v):
+
+def _adam_rule(amsgrad: bool) -> fused.RowRule:
+  """TensorFlow's Adam rule (epsilon hat) as a `RowRule`.
+
+  `hyper` is `dict(b1, b2, eps, eps_root, count)`, `count` the new step.
+  """
+
+  def new_rows(g, rows, params, hyper):
+    del params
+    b1, b2 = hyper['b1'], hyper['b2']
+    dtype = compute_dtype(*(x.dtype for x in (g, *rows.values())))
+    g = g.astype(dtype)
+    new = {'mu': b1 * rows['mu'].astype(dtype) + (1 - b1) * g,
+           'nu': b2 * rows['nu'].astype(dtype) + (1 - b2) * (g * g)}
+    if amsgrad:
+      new['nu_max'] = jnp.maximum(rows['nu_max'].astype(dtype), new['nu'])
+    return new
+
+  def step(g, stored, params, hyper):
+    del g, params
+    m, v = stored['mu'], stored[_second_moment(amsgrad)]
     dtype = compute_dtype(m.dtype, v.dtype)
-    correction = _bias_correction(b1, b2, count, dtype)
-    v = v.astype(dtype)
-    denom = jnp.sqrt(v + eps_root) + eps
-    return (correction * m.astype(dtype) / denom).astype(g.dtype)
+    correction = _bias_correction(hyper['b1'], hyper['b2'], hyper['count'],
+                                  dtype)
+    denom = jnp.sqrt(v.astype(dtype) + hyper['eps_root']) + hyper['eps']
+    return correction * m.astype(dtype) / denom
 
-  return jax.tree.map(step, updates, mu, nu)
-
-
-def _kernel_leaf(grad: Any, mu: Any, nu: Any) -> bool:
-  """Whether the CPU kernel can update this leaf's rows (float32 all along)."""
-  if not isinstance(grad, SparseRows):
-    return False
-  f32 = jnp.dtype(jnp.float32)
-  return (grad.values.dtype == f32 and grad.values.ndim >= 1
-          and all(getattr(x, 'dtype', None) == f32 for x in (mu, nu))
-          and tuple(mu.shape) == tuple(nu.shape) == grad.shape)
-
-
-def _with_cpu_kernel(
-    base: optax.GradientTransformationExtraArgs,
-    adam_args: dict[str, Any],
-    rest: Sequence[optax.GradientTransformation],
-) -> optax.GradientTransformationExtraArgs:
-  """`base`, with float32 `SparseRows` leaves updated by the CPU kernel.
-
-  On one CPU device, where `cpu_kernels.available()`, each float32
-  `SparseRows` leaf whose `mu` and `nu` are float32 goes through
-  `cpu_kernels.adam_rows` (deduplication, moments updated in place, the
-  step of each row: the same rule); the rest of the tree goes through `base`
-  with those leaves masked out (`optax.MaskedNode`). `rest` must be
-  transformations of the updates alone (the learning rate).
-  """
-  b1, b2 = adam_args['b1'], adam_args['b2']
-
-  def update_fn(updates, state, params=None, **extra_args):
-    if not cpu_kernels.usable():
-      return base.update(updates, state, params, **extra_args)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        updates, is_leaf=is_sparse_rows)
-    adam_state = state[0] if rest and isinstance(state, tuple) else state
-    if not isinstance(adam_state, ScaleByLazyAdamState):
-      # Not this transformation's state: `base` says what is wrong.
-      return base.update(updates, state, params, **extra_args)
-    try:
-      mus = treedef.flatten_up_to(adam_state.mu)
-      nus = treedef.flatten_up_to(adam_state.nu)
-    except (ValueError, TypeError):
-      return base.update(updates, state, params, **extra_args)
-    picks = [i for i, (_, g) in enumerate(flat)
-             if _kernel_leaf(g, mus[i], nus[i])]
-    if not picks:
-      return base.update(updates, state, params, **extra_args)
-    param_leaves = ([None] * len(flat) if params is None
-                    else treedef.flatten_up_to(params))
-
-    def masked(leaves):
-      return treedef.unflatten([optax.MaskedNode() if i in picks else x
-                                for i, x in enumerate(leaves)])
-
-    sub_adam = adam_state._replace(mu=masked(mus), nu=masked(nus))
-    sub_state = (sub_adam,) + tuple(state[1:]) if rest else sub_adam
-    sub_updates, new_sub_state = base.update(
-        masked([g for _, g in flat]), sub_state,
-        None if params is None else masked(param_leaves), **extra_args)
-
-    correction = _bias_correction(
-        b1, b2, optax.safe_increment(adam_state.count), jnp.float32)
-    hyper = jnp.stack([jnp.asarray(x, jnp.float32) for x in (
-        b1, 1 - b1, b2, 1 - b2, adam_args['eps'], adam_args['eps_root'],
+  def kernel_hyper(hyper):
+    b1, b2 = hyper['b1'], hyper['b2']
+    correction = _bias_correction(b1, b2, hyper['count'], jnp.float32)
+    return jnp.stack([jnp.asarray(x, jnp.float32) for x in (
+        b1, 1 - b1, b2, 1 - b2, hyper['eps'], hyper['eps_root'],
         correction)])
-    out = treedef.flatten_up_to(sub_updates)
-    new_mus, new_nus = list(mus), list(nus)
-    for i in picks:
-      grad, name = flat[i][1], path_name(flat[i][0])
-      check_sparse_leaf(grad, param_leaves[i], name)
-      ids, values, num_rows = dedup.prepare(grad, f'parameter {name}')
-      n, row_shape = values.shape[0], grad.row_shape
-      width = int(np.prod(row_shape, dtype=np.int64))
-      mu, nu, unique_ids, steps = cpu_kernels.adam_rows(
-          ids.astype(jnp.int32), values.reshape(n, width), hyper,
-          mus[i].reshape(num_rows, width), nus[i].reshape(num_rows, width))
-      new_mus[i] = mu.reshape(mus[i].shape)
-      new_nus[i] = nu.reshape(nus[i].shape)
-      steps = steps.reshape((n,) + row_shape)
-      for k, t in enumerate(rest, start=1):
-        steps, _ = t.update(steps, state[k])
-      out[i] = SparseRows.from_unique(unique_ids, steps, num_rows,
-                                      distinct=True)
-    new_adam = new_sub_state[0] if rest else new_sub_state
-    mu_tree = treedef.flatten_up_to(new_adam.mu)
-    nu_tree = treedef.flatten_up_to(new_adam.nu)
-    for i in picks:
-      mu_tree[i], nu_tree[i] = new_mus[i], new_nus[i]
-    new_adam = new_adam._replace(mu=treedef.unflatten(mu_tree),
-                                 nu=treedef.unflatten(nu_tree))
-    new_state = ((new_adam,) + tuple(new_sub_state[1:]) if rest
-                 else new_adam)
-    return treedef.unflatten(out), new_state
 
-  return optax.GradientTransformationExtraArgs(init=base.init,
-                                               update=update_fn)
+  def kernel(ids, g, h, params, tables):
+    del params
+    new, updates = cpu_kernels.adam(ids, g, h, tables['mu'], tables['nu'],
+                                    tables.get('nu_max'))
+    names = ('mu', 'nu', 'nu_max') if amsgrad else ('mu', 'nu')
+    return dict(zip(names, new)), updates
 
-
-def _lazy_epsilon_hat(
-    adam_args: dict[str, Any],
-    rest: Sequence[optax.GradientTransformation] = (),
-    *,
-    cpu_kernel: bool = False,
-) -> optax.GradientTransformationExtraArgs:
-  """`lazy(chain(epsilon_hat_adam(**adam_args), *rest))`, fast path included.
-
-  The same transformation and state as `lazy(...)` of that chain; the updates
-  are computed from the new moments re-read at the touched rows after they
-  were written (see `lazy_with_rule`): the same numbers, since the rule's
-  step reads the new moments in their stored dtype, while XLA reads each
-  moment's cold rows once instead of twice.
-  """
-  adam = epsilon_hat_adam(**adam_args)
-  tx = optax.chain(adam, *rest) if rest else adam
-  hyper = {k: adam_args[k] for k in ('b1', 'b2', 'eps', 'eps_root')}
-
-  def updates_from_state(old_state, new_state, grads, params):
-    adam_state = new_state[0] if rest else new_state
-    nu = (adam_state.nu_max if adam_args['amsgrad'] else adam_state.nu)
-    updates = _epsilon_hat_updates(grads, adam_state.count, adam_state.mu,
-                                   nu, **hyper)
-    for k, t in enumerate(rest, start=1):
-      updates, _ = t.update(updates, old_state[k], params)
-    return updates
-
-  base = lazy_with_rule(tx, updates_from_state=updates_from_state)
-  if cpu_kernel and not adam_args['amsgrad']:
-    return _with_cpu_kernel(base, adam_args, rest)
-  return base
+  return fused.RowRule('amsgrad' if amsgrad else 'adam', new_rows, step,
+                       kernel, kernel_hyper)
 
 
 def epsilon_hat_adam(
@@ -211,11 +110,13 @@ def epsilon_hat_adam(
     mu_dtype: Optional[Any] = None,
     nu_dtype: Optional[Any] = None,
     amsgrad: bool = False,
+    impl: str = 'auto',
 ) -> optax.GradientTransformation:
-  """TensorFlow's Adam rule with epsilon hat on dense arrays (`AdamOptimizer`).
+  """TensorFlow's Adam rule with epsilon hat (`AdamOptimizer`), not lazy.
 
   The building block that `scale_by_lazy_adam` wraps with `lazy`: applied to
-  a dense gradient it updates every entry.
+  a dense gradient it updates every entry; inside `lazy(...)` its row update
+  is fused (see `fused`).
 
   Args:
     b1: decay of the first moment.
@@ -227,6 +128,8 @@ def epsilon_hat_adam(
     mu_dtype: dtype of `mu` (default: the parameter's).
     nu_dtype: dtype of `nu` (default: the parameter's).
     amsgrad: divide by the running maximum of `nu` instead of `nu`.
+    impl: the row update's implementation inside `lazy(...)`: `'auto'`,
+      `'generic'`, `'xla'` or `'cpu_kernel'` (see `lazy_optax.kernel_status`).
 
   Returns:
     An `optax.GradientTransformation` whose updates still need the learning
@@ -240,44 +143,31 @@ def epsilon_hat_adam(
     >>> u.round(4)
     Array([1., 1.], dtype=float32)
   """
+  fused.check_impl(impl, 'epsilon_hat_adam')
+  rule = _adam_rule(amsgrad)
 
   def init_fn(params):
-    def zeros(dtype):
-      return lambda p: jnp.zeros(jnp.shape(p), dtype or jnp.asarray(p).dtype)
-    mu = jax.tree.map(zeros(mu_dtype), params)
-    nu = jax.tree.map(zeros(nu_dtype), params)
+    zeros = optax.tree_utils.tree_zeros_like
+    mu = zeros(params, dtype=mu_dtype)
+    nu = zeros(params, dtype=nu_dtype)
     count = jnp.zeros([], jnp.int32)
     if amsgrad:
       return ScaleByLazyAMSGradState(count, mu, nu,
-                                     jax.tree.map(zeros(nu_dtype), params))
+                                     zeros(params, dtype=nu_dtype))
     return ScaleByLazyAdamState(count, mu, nu)
 
   def update_fn(updates, state, params=None):
     del params
     count = optax.safe_increment(state.count)
-
-    def moments(g, m, v):
-      dtype = compute_dtype(g.dtype, m.dtype, v.dtype)
-      g = g.astype(dtype)
-      m_new = b1 * m.astype(dtype) + (1 - b1) * g
-      v_new = b2 * v.astype(dtype) + (1 - b2) * (g * g)
-      return m_new.astype(m.dtype), v_new.astype(v.dtype)
-
-    pairs = jax.tree.map(moments, updates, state.mu, state.nu)
-    # Split the pairs along the updates' structure: `is_leaf=tuple` would also
-    # catch tuple-shaped params and optax.masked's empty `MaskedNode`s.
-    mu = jax.tree.map(lambda _, p: p[0], updates, pairs)
-    nu = jax.tree.map(lambda _, p: p[1], updates, pairs)
-    nu_max = None
+    tables = {'mu': state.mu, 'nu': state.nu}
     if amsgrad:
-      nu_max = jax.tree.map(jnp.maximum, state.nu_max, nu)
-
-    new_updates = _epsilon_hat_updates(
-        updates, count, mu, nu_max if amsgrad else nu, b1=b1, b2=b2, eps=eps,
-        eps_root=eps_root)
+      tables['nu_max'] = state.nu_max
+    new_updates, new = fused.apply_rule(
+        rule, updates, tables, None,
+        dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count), impl)
     if amsgrad:
-      return new_updates, ScaleByLazyAMSGradState(count, mu, nu, nu_max)
-    return new_updates, ScaleByLazyAdamState(count, mu, nu)
+      return new_updates, ScaleByLazyAMSGradState(count, **new)
+    return new_updates, ScaleByLazyAdamState(count, **new)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -291,6 +181,7 @@ def scale_by_lazy_adam(
     *,
     nu_dtype: Optional[Any] = None,
     amsgrad: bool = False,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Rescales updates by TensorFlow's lazy Adam rule, without learning rate.
 
@@ -310,6 +201,9 @@ def scale_by_lazy_adam(
     nu_dtype: dtype of the second moment; defaults to the parameter's dtype.
     amsgrad: keep, per touched row, the maximum of `nu` seen so far and
       divide by its square root (lazy AMSGrad).
+    impl: how the touched rows are updated: `'auto'` (the CPU kernel where
+      it applies, see `lazy_optax.kernel_status`), `'generic'`, `'xla'` or
+      `'cpu_kernel'` (raises where it cannot run).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
@@ -327,9 +221,9 @@ def scale_by_lazy_adam(
   validate.hyperparameters(
       'scale_by_lazy_adam', beta=dict(b1=b1, b2=b2),
       non_negative=dict(eps=eps, eps_root=eps_root))
-  return _lazy_epsilon_hat(
-      dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-           nu_dtype=nu_dtype, amsgrad=amsgrad), cpu_kernel=True)
+  return lazy(epsilon_hat_adam(
+      b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
+      nu_dtype=nu_dtype, amsgrad=amsgrad, impl=impl))
 
 
 def lazy_adam(
@@ -342,19 +236,19 @@ def lazy_adam(
     *,
     nu_dtype: Optional[Any] = None,
     amsgrad: bool = False,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """LazyAdam: TensorFlow's Adam rule (epsilon hat) on the touched rows.
 
   `SparseRows` gradients update only their rows of the parameter, `mu` and
   `nu`; dense gradients get TensorFlow's dense Adam. See the module docstring
   for the rule. The state is that of `lazy(optax.chain(epsilon-hat Adam,
-  optax.scale_by_learning_rate(learning_rate)))`. On one CPU device, float32
-  tables with float32 moments are updated by a C++ kernel called through
-  `jax.ffi` (built on first use; see the README's "CPU kernel"): duplicates
-  summed, moments updated in place, one pass over the touched rows, the same
-  rule up to float32 rounding. Elsewhere, for tables with rows of at least
-  128 bytes on one device, the updates are computed from the new moments
-  re-read after they were written (the same numbers up to rounding).
+  optax.scale_by_learning_rate(learning_rate)))`. On CPU, tables with
+  float32 or bfloat16 moments on one device (or split over an Explicit mesh)
+  are updated by a C++ kernel called through `jax.ffi`: moments updated in
+  place, one pass over the touched rows, the same rule up to float32
+  rounding. Elsewhere XLA updates the rows (`impl=` chooses; see
+  `lazy_optax.kernel_status` and `lazy_optax.explain_update`).
 
   Args:
     learning_rate: a float or an optax schedule of the step count.
@@ -365,6 +259,8 @@ def lazy_adam(
     mu_dtype: dtype of `mu` (default: the parameter's).
     nu_dtype: dtype of `nu` (default: the parameter's).
     amsgrad: lazy AMSGrad (running maximum of `nu` per touched row).
+    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'` (see
+      `scale_by_lazy_adam`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`.
@@ -385,10 +281,11 @@ def lazy_adam(
   validate.hyperparameters(
       'lazy_adam', beta=dict(b1=b1, b2=b2),
       non_negative=dict(eps=eps, eps_root=eps_root))
-  return _lazy_epsilon_hat(
-      dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-           nu_dtype=nu_dtype, amsgrad=amsgrad),
-      [optax.scale_by_learning_rate(learning_rate)], cpu_kernel=True)
+  return lazy(optax.chain(
+      epsilon_hat_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                       mu_dtype=mu_dtype, nu_dtype=nu_dtype, amsgrad=amsgrad,
+                       impl=impl),
+      optax.scale_by_learning_rate(learning_rate)))
 
 
 def lazy_adamw(
@@ -403,6 +300,7 @@ def lazy_adamw(
     *,
     nu_dtype: Optional[Any] = None,
     amsgrad: bool = False,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """LazyAdam with decoupled weight decay on the touched rows only.
 
@@ -422,6 +320,8 @@ def lazy_adamw(
       parameters decay.
     nu_dtype: dtype of `nu`.
     amsgrad: lazy AMSGrad.
+    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'` (see
+      `scale_by_lazy_adam`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`.
@@ -440,8 +340,9 @@ def lazy_adamw(
   validate.hyperparameters(
       'lazy_adamw', beta=dict(b1=b1, b2=b2),
       non_negative=dict(eps=eps, eps_root=eps_root, weight_decay=weight_decay))
-  return _lazy_epsilon_hat(
-      dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-           nu_dtype=nu_dtype, amsgrad=amsgrad),
-      [optax.add_decayed_weights(weight_decay, mask),
-       optax.scale_by_learning_rate(learning_rate)])
+  return lazy(optax.chain(
+      epsilon_hat_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                       mu_dtype=mu_dtype, nu_dtype=nu_dtype, amsgrad=amsgrad,
+                       impl=impl),
+      optax.add_decayed_weights(weight_decay, mask),
+      optax.scale_by_learning_rate(learning_rate)))

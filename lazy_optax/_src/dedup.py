@@ -30,6 +30,8 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from lazy_optax._src import cpu_kernels
+from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 
 
@@ -42,10 +44,10 @@ def _accumulation_dtype(dtype: Any) -> Any:
   return dtype
 
 
-# Which method `unique_rows` uses: 'auto' (packed keys for batches of at
-# most `PACKED_MAX_IDS` ids when they fit 32 bits, binary search otherwise),
-# 'packed' or 'search' (where packed keys fit); benchmarks switch it for A/B
-# measurements.
+# Which method `unique_rows` uses: 'auto' (the CPU kernel where it runs;
+# else packed keys for batches of at most `PACKED_MAX_IDS` ids when they fit
+# 32 bits, binary search otherwise), 'packed' or 'search' (XLA only, packed
+# keys where they fit); benchmarks switch it for A/B measurements.
 METHOD = 'auto'
 PACKED_MAX_IDS = 2048
 
@@ -103,9 +105,27 @@ def _slots_search(ids: jax.Array, num_rows: int
   return unique_ids, slot
 
 
+def _xla_unique_rows(ids: jax.Array, values: jax.Array, num_rows: int
+                     ) -> tuple[jax.Array, jax.Array]:
+  n = ids.shape[0]
+  if _use_packed(num_rows, n, ids.dtype):
+    unique_ids, slot = _slots_packed(ids, num_rows)
+  else:
+    unique_ids, slot = _slots_search(ids, num_rows)
+  wide = _accumulation_dtype(values.dtype)
+  summed = jax.ops.segment_sum(
+      values.astype(wide), slot, num_segments=n).astype(values.dtype)
+  # Values of out-of-range ids summed into the sentinel's slot: zero them.
+  keep = (unique_ids < num_rows).reshape((n,) + (1,) * (summed.ndim - 1))
+  return unique_ids, jnp.where(keep, summed, jnp.zeros_like(summed))
+
+
 def unique_rows(ids: jax.Array, values: jax.Array, num_rows: int
                 ) -> tuple[jax.Array, jax.Array]:
   """Sums the values of repeated ids into one slot per distinct id.
+
+  On one CPU device with the kernels loaded, a hash table in C++ does it
+  (`cpu_kernels.dedup`, the same slots and sums); elsewhere XLA's sort.
 
   Args:
     ids: integer vector `[N]` whose entries lie in `[0, num_rows]`; an entry
@@ -118,19 +138,19 @@ def unique_rows(ids: jax.Array, values: jax.Array, num_rows: int
     slot `k` holds a distinct id and the sum of its values, or id `num_rows`
     and zeros (an unused slot).
   """
-  n = ids.shape[0]
-  if n == 0:
+  if ids.shape[0] == 0:
     return ids, values
-  if _use_packed(num_rows, n, ids.dtype):
-    unique_ids, slot = _slots_packed(ids, num_rows)
-  else:
-    unique_ids, slot = _slots_search(ids, num_rows)
-  wide = _accumulation_dtype(values.dtype)
-  summed = jax.ops.segment_sum(
-      values.astype(wide), slot, num_segments=n).astype(values.dtype)
-  # Values of out-of-range ids summed into the sentinel's slot: zero them.
-  keep = (unique_ids < num_rows).reshape((n,) + (1,) * (summed.ndim - 1))
-  return unique_ids, jnp.where(keep, summed, jnp.zeros_like(summed))
+  if (METHOD == 'auto' and jnp.dtype(ids.dtype) == jnp.dtype(jnp.int32)
+      and jnp.dtype(values.dtype) in cpu_kernels.STORAGE_DTYPES
+      and row_ops.on_one_cpu(values)):
+
+    def on_cpu(ids, values):
+      return cpu_kernels.dedup(ids, values, num_rows)
+
+    return jax.lax.platform_dependent(
+        ids, values, cpu=on_cpu,
+        default=lambda i, v: _xla_unique_rows(i, v, num_rows))
+  return _xla_unique_rows(ids, values, num_rows)
 
 
 def prepare(grad: Any, where: str) -> tuple[jax.Array, jax.Array, int]:

@@ -44,6 +44,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import cpu_kernels
+from lazy_optax._src import fused
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import compute_dtype
@@ -66,6 +68,56 @@ def _power(n: jax.Array, power: Any) -> jax.Array:
   return jnp.power(n, jnp.asarray(power, n.dtype))
 
 
+def _rule() -> fused.RowRule:
+  """FTRL-Proximal as a `RowRule`.
+
+  `hyper` is `dict(lr, power, l1, l2, l2_shrinkage, beta)` with
+  `power = -learning_rate_power`.
+  """
+
+  def new_rows(g, rows, params, hyper):
+    n, z = rows['accumulator'], rows['linear']
+    w = jnp.asarray(params)
+    dtype = compute_dtype(g.dtype, w.dtype, n.dtype, z.dtype)
+    gd, wd = g.astype(dtype), w.astype(dtype)
+    nd = n.astype(dtype)
+    lr = jnp.asarray(hyper['lr'], dtype)
+    n_new = nd + gd * gd
+    sigma = (_power(n_new, hyper['power']) - _power(nd, hyper['power'])) / lr
+    shrunk = gd + 2 * jnp.asarray(hyper['l2_shrinkage'], dtype) * wd
+    return {'accumulator': n_new,
+            'linear': z.astype(dtype) + shrunk - sigma * wd}
+
+  def step(g, stored, params, hyper):
+    n, z = stored['accumulator'], stored['linear']
+    w = jnp.asarray(params)
+    dtype = compute_dtype(g.dtype, w.dtype, n.dtype, z.dtype)
+    nd, zd, wd = n.astype(dtype), z.astype(dtype), w.astype(dtype)
+    quadratic = ((jnp.asarray(hyper['beta'], dtype)
+                  + _power(nd, hyper['power'])) / jnp.asarray(hyper['lr'],
+                                                               dtype)
+                 + 2 * jnp.asarray(hyper['l2'], dtype))
+    # Unused padding slots of a lazy update read zeros everywhere: keep
+    # their (discarded) result finite.
+    quadratic = jnp.where(quadratic > 0, quadratic, jnp.ones_like(quadratic))
+    l1 = jnp.asarray(hyper['l1'], dtype)
+    w_new = jnp.where(jnp.abs(zd) > l1, (jnp.sign(zd) * l1 - zd) / quadratic,
+                      jnp.zeros_like(zd))
+    return w_new - wd
+
+  def kernel_hyper(hyper):
+    return jnp.stack([jnp.asarray(hyper[k], jnp.float32) for k in (
+        'lr', 'power', 'l1', 'l2', 'l2_shrinkage', 'beta')])
+
+  def kernel(ids, g, h, params, tables):
+    new, updates = cpu_kernels.ftrl(ids, g, h, params, tables['accumulator'],
+                                    tables['linear'])
+    return dict(zip(('accumulator', 'linear'), new)), updates
+
+  return fused.RowRule('ftrl', new_rows, step, kernel, kernel_hyper,
+                       needs_params=True)
+
+
 def _ftrl_rule(
     *,
     learning_rate: optax.ScalarOrSchedule,
@@ -77,18 +129,17 @@ def _ftrl_rule(
     beta: float,
     accumulator_dtype: Optional[Any],
     linear_dtype: Optional[Any],
+    impl: str,
 ) -> optax.GradientTransformation:
-  """FTRL-Proximal on dense arrays (every row given is touched)."""
+  """FTRL-Proximal, dense or fused inside `lazy(...)`."""
+  rule = _rule()
 
   def init_fn(params):
-    def full(dtype, value):
-      return lambda p: jnp.full(jnp.shape(p), value,
-                                dtype or jnp.asarray(p).dtype)
     return FtrlState(
         count=jnp.zeros([], jnp.int32),
-        accumulator=jax.tree.map(
-            full(accumulator_dtype, initial_accumulator_value), params),
-        linear=jax.tree.map(full(linear_dtype, 0.0), params))
+        accumulator=optax.tree_utils.tree_full_like(
+            params, initial_accumulator_value, dtype=accumulator_dtype),
+        linear=optax.tree_utils.tree_zeros_like(params, dtype=linear_dtype))
 
   def update_fn(updates, state, params=None):
     if params is None:
@@ -98,39 +149,12 @@ def _ftrl_rule(
           'tx.update(grads, state, params).')
     lr = (learning_rate(state.count) if callable(learning_rate)
           else learning_rate)
-    count = optax.safe_increment(state.count)
-    treedef = jax.tree.structure(updates)
-    grads = treedef.flatten_up_to(updates)
-    param_leaves = treedef.flatten_up_to(params)
-    accumulators = treedef.flatten_up_to(state.accumulator)
-    linears = treedef.flatten_up_to(state.linear)
-    power = -learning_rate_power
-    out, new_n, new_z = [], [], []
-    for g, w, n, z in zip(grads, param_leaves, accumulators, linears):
-      w = jnp.asarray(w)
-      dtype = compute_dtype(g.dtype, w.dtype, n.dtype, z.dtype)
-      gd, wd = g.astype(dtype), w.astype(dtype)
-      nd, zd = n.astype(dtype), z.astype(dtype)
-      lr_d = jnp.asarray(lr, dtype)
-      g_shrunk = gd + 2 * jnp.asarray(l2_shrinkage, dtype) * wd
-      n_new = nd + gd * gd
-      n_new_pow = _power(n_new, power)
-      sigma = (n_new_pow - _power(nd, power)) / lr_d
-      z_new = zd + g_shrunk - sigma * wd
-      quadratic = ((jnp.asarray(beta, dtype) + n_new_pow) / lr_d
-                   + 2 * jnp.asarray(l2, dtype))
-      # Unused padding slots of a lazy update read zeros everywhere: keep
-      # their (discarded) result finite.
-      quadratic = jnp.where(quadratic > 0, quadratic, jnp.ones_like(quadratic))
-      l1_d = jnp.asarray(l1, dtype)
-      w_new = jnp.where(jnp.abs(z_new) > l1_d,
-                        (jnp.sign(z_new) * l1_d - z_new) / quadratic,
-                        jnp.zeros_like(z_new))
-      out.append((w_new - wd).astype(g.dtype))
-      new_n.append(n_new.astype(n.dtype))
-      new_z.append(z_new.astype(z.dtype))
-    return treedef.unflatten(out), FtrlState(
-        count, treedef.unflatten(new_n), treedef.unflatten(new_z))
+    new_updates, new = fused.apply_rule(
+        rule, updates, {'accumulator': state.accumulator,
+                        'linear': state.linear}, params,
+        dict(lr=lr, power=-learning_rate_power, l1=l1, l2=l2,
+             l2_shrinkage=l2_shrinkage, beta=beta), impl)
+    return new_updates, FtrlState(optax.safe_increment(state.count), **new)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -146,6 +170,7 @@ def ftrl(
     *,
     accumulator_dtype: Optional[Any] = None,
     linear_dtype: Optional[Any] = None,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """FTRL-Proximal (TensorFlow's `ApplyFtrlV2`), lazy on `SparseRows`.
 
@@ -176,6 +201,9 @@ def ftrl(
     beta: Keras' `beta` from the FTRL-Proximal paper, added to `n^p`.
     accumulator_dtype: dtype of the accumulator (default: the parameter's).
     linear_dtype: dtype of the linear term (default: the parameter's).
+    impl: how the touched rows are updated: `'auto'` (the CPU kernel where
+      it applies, see `lazy_optax.kernel_status`), `'generic'`, `'xla'` or
+      `'cpu_kernel'`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
@@ -200,8 +228,10 @@ def ftrl(
       non_positive=dict(learning_rate_power=learning_rate_power),
       non_negative=dict(initial_accumulator_value=initial_accumulator_value,
                         l1=l1, l2=l2, l2_shrinkage=l2_shrinkage, beta=beta))
+  fused.check_impl(impl, 'ftrl')
   return lazy(_ftrl_rule(
       learning_rate=learning_rate, learning_rate_power=learning_rate_power,
       initial_accumulator_value=initial_accumulator_value, l1=l1, l2=l2,
       l2_shrinkage=l2_shrinkage, beta=beta,
-      accumulator_dtype=accumulator_dtype, linear_dtype=linear_dtype))
+      accumulator_dtype=accumulator_dtype, linear_dtype=linear_dtype,
+      impl=impl))

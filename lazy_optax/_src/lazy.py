@@ -2,41 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import cpu_kernels
 from lazy_optax._src import dedup
+from lazy_optax._src import fused
+from lazy_optax._src import row_ops
 from lazy_optax._src import row_state
-from lazy_optax._src import sharding as _sharding
 from lazy_optax._src import tree_diff
 from lazy_optax._src import validate
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
-
-# `lazy_with_rule` recomputes the updates from re-read state rows only for
-# tables with rows of at least REGATHER_MIN_ROW_BYTES, whatever their row
-# count (the compiled step's structure does not depend on the table's size).
-# Measured on lazy_adam steps with 1,000,000-row float32 tables and 4,096
-# ids, 1 thread: rows of 64 floats 1.03 vs 1.60 ms, 32 floats 0.53 vs 0.59
-# ms, 16 floats 0.42 vs 0.33 ms (slower); the DLRM model's 26 tables of 16
-# floats 10.2 vs 9.2 ms with its six largest recomputed.
-REGATHER_MIN_ROW_BYTES = 128
-
-
-def _regathers(grad: SparseRows) -> bool:
-  # With more than one device the tables may be sharded, and each re-read of
-  # a row block becomes one more batch-sized collective: not done.
-  if jax.device_count() > 1:
-    return False
-  row_bytes = jnp.dtype(grad.dtype).itemsize
-  for d in grad.row_shape:
-    row_bytes *= d
-  return row_bytes >= REGATHER_MIN_ROW_BYTES
 
 
 class _RowLeaf(NamedTuple):
@@ -135,14 +117,12 @@ def _gather(leaf: jax.Array, row: _RowLeaf) -> jax.Array:
   if row.ids is None:
     return leaf
   # Unused slots hold id `num_rows`: they read zeros.
-  return leaf.at[row.ids].get(mode='fill', fill_value=0,
-                              **_sharding.gather_kwargs(leaf))
+  return row_ops.gather(leaf, row.ids)
 
 
 def _put_back(old: jax.Array, new: jax.Array, row: _RowLeaf) -> jax.Array:
   if row.ids is not None:
-    return old.at[row.ids].set(new.astype(old.dtype), mode='drop',
-                               **_sharding.scatter_kwargs(old))
+    return row_ops.put(old, row.ids, new)
   assert row.row_mask is not None
   return jnp.where(broadcast_rows(row.row_mask, old), new, old)
 
@@ -213,44 +193,16 @@ def lazy(
            [-0.1, -0.1],
            [ 0. ,  0. ]], dtype=float32)
   """
-  return lazy_with_rule(tx, skip_zero_rows=skip_zero_rows)
-
-
-def lazy_with_rule(
-    tx: optax.GradientTransformation,
-    *,
-    skip_zero_rows: bool = False,
-    updates_from_state: Optional[Callable[..., Any]] = None,
-) -> optax.GradientTransformationExtraArgs:
-  """`lazy(tx)`, optionally computing the updates from the new state rows.
-
-  `updates_from_state(old_state, new_state_rows, grads_rows, params_rows)`,
-  when given, must return the updates that `tx.update` returns, computed from
-  the new state: its parameter-shaped leaves re-read, at the touched rows,
-  from the tables just written. For rules such as Adam, whose update is a
-  function of the new moments, this lets XLA read each moment's cold rows
-  once, inside the moment update, instead of in a gather of its own whose
-  output two computations share. It is used for the `SparseRows` leaves of
-  tables with rows of at least `REGATHER_MIN_ROW_BYTES` (a 1,000,000 x 64
-  float32 `lazy_adam` step 35% faster; rows of 16 floats measured slower) on
-  a single device (re-reading rows of
-  a sharded table would add collectives); the other leaves keep `tx`'s own
-  updates.
-
-  Args:
-    tx: as for `lazy`.
-    skip_zero_rows: as for `lazy`.
-    updates_from_state: see above; `None` for `lazy(tx)` itself.
-
-  Returns:
-    An `optax.GradientTransformationExtraArgs` with `tx`'s state.
-  """
   if not isinstance(tx, optax.GradientTransformation):
     raise TypeError(
         'lazy() takes an optax.GradientTransformation (something with init '
         f'and update, such as optax.adam(1e-3)), got {type(tx).__name__}.')
   inner = optax.with_extra_args_support(tx)
   find_owners = row_state.OwnerCache(inner.init)
+
+  def init_fn(params):
+    cpu_kernels.load_for(params)
+    return inner.init(params)
 
   def update_fn(updates, state, params=None, **extra_args):
     leaves = _flatten(updates, params)
@@ -262,9 +214,16 @@ def lazy_with_rule(
         rebuild_params=leaves.treedef.unflatten,
         row_param_positions=list(rows), state=state)
     state_leaves, state_def = jax.tree.flatten(state)
+    context = fused.RowContext()
 
     def at_rows(leaf, pos):
-      return leaf if pos is None else _gather(leaf, rows[pos])
+      if pos is None:
+        return leaf
+      block = _gather(leaf, rows[pos])
+      if rows[pos].ids is not None:
+        context.register(block, fused.Block(leaf, rows[pos].ids,
+                                            leaves.names[pos]))
+      return block
 
     row_state_tree = state_def.unflatten(
         [at_rows(s, o) for s, o in zip(state_leaves, owners)])
@@ -273,28 +232,27 @@ def lazy_with_rule(
       row_params = leaves.treedef.unflatten(
           [at_rows(p, i if i in rows else None)
            for i, p in enumerate(leaves.params)])
-    new_updates, new_row_state = inner.update(
-        leaves.treedef.unflatten(row_grads), row_state_tree, row_params,
-        **extra_args)
-    new_leaves = [
-        n if pos is None else _put_back(o, n, rows[pos])
-        for o, n, pos in zip(state_leaves, jax.tree.leaves(new_row_state),
-                             owners)]
-    new_state = state_def.unflatten(new_leaves)
-    if updates_from_state is not None:
-      large = [i for i, row in rows.items()
-               if row.ids is not None and _regathers(leaves.grads[i])]
-      if large:
-        again = leaves.treedef.flatten_up_to(updates_from_state(
-            state,
-            state_def.unflatten([at_rows(s, o)
-                                 for s, o in zip(new_leaves, owners)]),
-            leaves.treedef.unflatten(row_grads), row_params))
-        chosen = leaves.treedef.flatten_up_to(new_updates)
-        for i in large:
-          chosen[i] = again[i]
-        new_updates = leaves.treedef.unflatten(chosen)
+    with fused.active(context):
+      new_updates, new_row_state = inner.update(
+          leaves.treedef.unflatten(row_grads), row_state_tree, row_params,
+          **extra_args)
+
+    def write_back(old, new, pos):
+      if pos is None:
+        return new
+      table = context.written(new)  # the rule wrote the whole table itself
+      return table if table is not None else _put_back(old, new, rows[pos])
+
+    new_state = state_def.unflatten([
+        write_back(o, n, pos) for o, n, pos in zip(
+            state_leaves, jax.tree.leaves(new_row_state), owners)])
+    for pos, row in rows.items():
+      if row.ids is not None and leaves.names[pos] not in context.chosen:
+        fused.record(fused.Choice(
+            leaves.names[pos], 'tx', 'generic',
+            'not a lazy_optax rule: lazy(...) ran it on the gathered rows'
+            if pos in owners else 'no state rows: only the update rows'))
     return _row_updates(leaves, rows, new_updates), new_state
 
-  return optax.GradientTransformationExtraArgs(init=inner.init,
+  return optax.GradientTransformationExtraArgs(init=init_fn,
                                                update=update_fn)

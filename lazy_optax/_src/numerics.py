@@ -49,3 +49,42 @@ def power(decay: Any, count: jax.Array, dtype: Any) -> jax.Array:
   one_minus_decay = jnp.asarray(1 - decay, dtype)
   return jnp.exp(jnp.asarray(count).astype(dtype)
                  * jnp.log1p(-one_minus_decay))
+
+
+def row_mean_square(g: jax.Array) -> jax.Array:
+  """Mean of `g * g` over each row: `[num_rows, ...]` -> `[num_rows]`.
+
+  A one-dimensional `g` has one entry per row, a scalar is its own row.
+  """
+  if g.ndim <= 1:
+    return g * g
+  return jnp.mean(g * g, axis=tuple(range(1, g.ndim)))
+
+
+def per_row_full(p: Any, dtype: Any, value: float = 0.0) -> jax.Array:
+  """A `[num_rows]` array (a scalar for a scalar `p`) filled with `value`.
+
+  The dtype defaults to float32 (float64 for a float64 parameter): one
+  number per row costs little, and a 16-bit accumulator of squares loses
+  small increments.
+  """
+  if dtype is None:
+    dtype = compute_dtype(jnp.asarray(p).dtype)
+  return jnp.full(jnp.shape(p)[:1], value, dtype)
+
+
+def is_zero(x: Any) -> bool:
+  """Whether `x` is a Python number equal to 0 (never true for arrays).
+
+  Hyperparameters may arrive as arrays (`optax.inject_hyperparams`), even
+  traced ones, so only Python numbers decide the structure of a rule.
+  """
+  return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
+
+
+def mask_leaves(mask: Any, params: Any, treedef: Any) -> list[Any]:
+  """`optax.adamw`'s `mask` (a tree of bools, a callable or None), flattened
+  along `treedef`: one bool per leaf."""
+  if mask is None:
+    return [True] * treedef.num_leaves
+  return treedef.flatten_up_to(mask(params) if callable(mask) else mask)

@@ -33,14 +33,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import cpu_kernels
+from lazy_optax._src import fused
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
+from lazy_optax._src.numerics import is_zero
 from lazy_optax._src.numerics import one_minus_power
-from lazy_optax._src.rowwise_adagrad import is_zero
-from lazy_optax._src.rowwise_adagrad import row_mean_square
-from lazy_optax._src.rowwise_adagrad import row_shape_zeros
+from lazy_optax._src.numerics import per_row_full
+from lazy_optax._src.numerics import row_mean_square
 
 
 class ScaleByPartialRowwiseAdamState(NamedTuple):
@@ -48,6 +50,50 @@ class ScaleByPartialRowwiseAdamState(NamedTuple):
   count: chex.Array  # int32 scalar, the global step
   mu: optax.Updates  # one per entry, the parameters' shapes
   nu: optax.Updates  # [num_rows] per parameter (scalar: scalar)
+
+
+def _rule() -> fused.RowRule:
+  """Partial row-wise Adam as a `RowRule`.
+
+  `hyper` is `dict(b1, b2, eps, eps_root, count)`, `count` the new step.
+  """
+
+  def new_rows(g, rows, params, hyper):
+    del params
+    b1, b2 = hyper['b1'], hyper['b2']
+    dtype = compute_dtype(g.dtype, rows['mu'].dtype, rows['nu'].dtype)
+    g = g.astype(dtype)
+    return {'mu': b1 * rows['mu'].astype(dtype) + (1 - b1) * g,
+            'nu': b2 * rows['nu'].astype(dtype) + (1 - b2) * row_mean_square(
+                g)}
+
+  def step(g, stored, params, hyper):
+    del g, params
+    m, v = stored['mu'], stored['nu']
+    dtype = compute_dtype(m.dtype, v.dtype)
+    m_hat = m.astype(dtype) / one_minus_power(hyper['b1'], hyper['count'],
+                                              dtype)
+    v_hat = v.astype(dtype) / one_minus_power(hyper['b2'], hyper['count'],
+                                              dtype)
+    denom = (jnp.sqrt(v_hat + jnp.asarray(hyper['eps_root'], dtype))
+             + jnp.asarray(hyper['eps'], dtype))
+    return m_hat / broadcast_rows(denom, m_hat)
+
+  def kernel_hyper(hyper):
+    b1, b2, count = hyper['b1'], hyper['b2'], hyper['count']
+    return jnp.stack([jnp.asarray(x, jnp.float32) for x in (
+        b1, 1 - b1, b2, 1 - b2, hyper['eps'], hyper['eps_root'],
+        one_minus_power(b1, count, jnp.float32),
+        one_minus_power(b2, count, jnp.float32))])
+
+  def kernel(ids, g, h, params, tables):
+    del params
+    new, updates = cpu_kernels.partial_rowwise_adam(ids, g, h, tables['mu'],
+                                                    tables['nu'])
+    return dict(zip(('mu', 'nu'), new)), updates
+
+  return fused.RowRule('partial_rowwise_adam', new_rows, step, kernel,
+                       kernel_hyper)
 
 
 def _partial_rowwise_adam_rule(
@@ -58,39 +104,24 @@ def _partial_rowwise_adam_rule(
     eps_root: float,
     mu_dtype: Optional[Any],
     nu_dtype: Optional[Any],
+    impl: str,
 ) -> optax.GradientTransformation:
-  """The rule on dense arrays (every row given is touched)."""
+  """The rule, dense or fused inside `lazy(...)`."""
+  rule = _rule()
 
   def init_fn(params):
     return ScaleByPartialRowwiseAdamState(
         count=jnp.zeros([], jnp.int32),
-        mu=jax.tree.map(
-            lambda p: jnp.zeros(jnp.shape(p),
-                                mu_dtype or jnp.asarray(p).dtype), params),
-        nu=jax.tree.map(lambda p: row_shape_zeros(p, nu_dtype), params))
+        mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
+        nu=jax.tree.map(lambda p: per_row_full(p, nu_dtype), params))
 
   def update_fn(updates, state, params=None):
     del params
     count = optax.safe_increment(state.count)
-    treedef = jax.tree.structure(updates)
-    grads = treedef.flatten_up_to(updates)
-    mus = treedef.flatten_up_to(state.mu)
-    nus = treedef.flatten_up_to(state.nu)
-    out, new_mu, new_nu = [], [], []
-    for g, m, v in zip(grads, mus, nus):
-      dtype = compute_dtype(g.dtype, m.dtype, v.dtype)
-      gd = g.astype(dtype)
-      m_new = b1 * m.astype(dtype) + (1 - b1) * gd
-      v_new = b2 * v.astype(dtype) + (1 - b2) * row_mean_square(gd)
-      m_hat = m_new / one_minus_power(b1, count, dtype)
-      v_hat = v_new / one_minus_power(b2, count, dtype)
-      denom = jnp.sqrt(v_hat + jnp.asarray(eps_root, dtype)) + jnp.asarray(
-          eps, dtype)
-      out.append((m_hat / broadcast_rows(denom, m_hat)).astype(g.dtype))
-      new_mu.append(m_new.astype(m.dtype))
-      new_nu.append(v_new.astype(v.dtype))
-    return treedef.unflatten(out), ScaleByPartialRowwiseAdamState(
-        count, treedef.unflatten(new_mu), treedef.unflatten(new_nu))
+    new_updates, new = fused.apply_rule(
+        rule, updates, {'mu': state.mu, 'nu': state.nu}, None,
+        dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count), impl)
+    return new_updates, ScaleByPartialRowwiseAdamState(count, **new)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -103,6 +134,7 @@ def scale_by_partial_rowwise_adam(
     mu_dtype: Optional[Any] = None,
     *,
     nu_dtype: Optional[Any] = None,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Rescales updates by partial row-wise Adam (no learning rate).
 
@@ -120,6 +152,9 @@ def scale_by_partial_rowwise_adam(
     mu_dtype: dtype of `mu` (default: the parameter's).
     nu_dtype: dtype of `nu` (default float32, float64 for float64
       parameters).
+    impl: how the touched rows are updated: `'auto'` (the CPU kernel where
+      it applies, see `lazy_optax.kernel_status`), `'generic'`, `'xla'` or
+      `'cpu_kernel'`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
@@ -139,9 +174,10 @@ def scale_by_partial_rowwise_adam(
   validate.hyperparameters(
       'scale_by_partial_rowwise_adam', beta=dict(b1=b1, b2=b2),
       non_negative=dict(eps=eps, eps_root=eps_root))
+  fused.check_impl(impl, 'scale_by_partial_rowwise_adam')
   return lazy(_partial_rowwise_adam_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-      nu_dtype=nu_dtype))
+      nu_dtype=nu_dtype, impl=impl))
 
 
 def partial_rowwise_adam(
@@ -155,6 +191,7 @@ def partial_rowwise_adam(
     mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     *,
     nu_dtype: Optional[Any] = None,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Partial row-wise Adam(W): half of Adam's state, lazy on `SparseRows`.
 
@@ -175,6 +212,8 @@ def partial_rowwise_adam(
       `params` in `update` when non-zero).
     mask: as in `optax.adamw`: which parameters decay.
     nu_dtype: dtype of `nu` (default float32).
+    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'` (see
+      `scale_by_partial_rowwise_adam`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state holds a
@@ -196,9 +235,10 @@ def partial_rowwise_adam(
   validate.hyperparameters(
       'partial_rowwise_adam', beta=dict(b1=b1, b2=b2), non_negative=dict(
           eps=eps, eps_root=eps_root, weight_decay=weight_decay))
+  fused.check_impl(impl, 'partial_rowwise_adam')
   parts = [_partial_rowwise_adam_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-      nu_dtype=nu_dtype)]
+      nu_dtype=nu_dtype, impl=impl)]
   if not is_zero(weight_decay):
     parts.append(optax.add_decayed_weights(weight_decay, mask))
   parts.append(optax.scale_by_learning_rate(learning_rate))

@@ -38,10 +38,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import cpu_kernels
+from lazy_optax._src import fused
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
+from lazy_optax._src.numerics import mask_leaves
+from lazy_optax._src.numerics import per_row_full
+from lazy_optax._src.numerics import row_mean_square
 
 WEIGHT_DECAY_MODES = ('none', 'l2', 'decoupled')
 
@@ -52,43 +57,46 @@ class ScaleByRowwiseAdagradState(NamedTuple):
   sum_of_squares: optax.Updates  # [num_rows] per parameter (scalar: scalar)
 
 
-def row_shape_zeros(p: Any, dtype: Optional[Any], value: float = 0.0) -> Any:
-  """A `[num_rows]` array (a scalar for a scalar `p`) filled with `value`.
+def _rule(l2: bool) -> fused.RowRule:
+  """Row-wise Adagrad as a `RowRule`; `hyper` is `dict(eps, l2)`.
 
-  The dtype defaults to float32 (float64 for a float64 parameter): one
-  number per row costs little, and a 16-bit accumulator of squares loses
-  small increments.
+  `l2` (FBGEMM's L2 mode) adds `hyper['l2'] * params` to the gradient, for
+  the leaves the mask decays (`hyper['l2']` is 0 for the others).
   """
-  shape = jnp.shape(p)[:1]
-  if dtype is None:
-    dtype = compute_dtype(jnp.asarray(p).dtype)
-  return jnp.full(shape, value, dtype)
 
+  def decayed(g, params, hyper):
+    dtype = compute_dtype(g.dtype)
+    g = g.astype(dtype)
+    if not l2:
+      return g
+    return g + jnp.asarray(hyper['l2'], dtype) * (
+        jnp.asarray(params).astype(dtype))
 
-def row_mean_square(g: jax.Array) -> jax.Array:
-  """Mean of `g * g` over each row: `[num_rows, ...]` -> `[num_rows]`.
+  def new_rows(g, rows, params, hyper):
+    acc = rows['sum_of_squares']
+    g = decayed(g, params, hyper)
+    dtype = compute_dtype(g.dtype, acc.dtype)
+    return {'sum_of_squares': acc.astype(dtype) + row_mean_square(
+        g.astype(dtype))}
 
-  A one-dimensional `g` has one entry per row, a scalar is its own row.
-  """
-  if g.ndim <= 1:
-    return g * g
-  return jnp.mean(g * g, axis=tuple(range(1, g.ndim)))
+  def step(g, stored, params, hyper):
+    g = decayed(g, params, hyper)
+    acc = stored['sum_of_squares']
+    dtype = compute_dtype(g.dtype, acc.dtype)
+    denom = jnp.sqrt(acc.astype(dtype)) + jnp.asarray(hyper['eps'], dtype)
+    return g.astype(dtype) / broadcast_rows(denom, g)
 
+  def kernel_hyper(hyper):
+    return jnp.stack([jnp.asarray(hyper['eps'], jnp.float32),
+                      jnp.asarray(hyper['l2'] if l2 else 0, jnp.float32)])
 
-def is_zero(x: Any) -> bool:
-  """Whether `x` is a Python number equal to 0 (never true for arrays).
+  def kernel(ids, g, h, params, tables):
+    new, updates = cpu_kernels.rowwise_adagrad(ids, g, h, params,
+                                               tables['sum_of_squares'])
+    return {'sum_of_squares': new[0]}, updates
 
-  Hyperparameters may arrive as arrays (`optax.inject_hyperparams`), even
-  traced ones, so only Python numbers decide the structure of a rule.
-  """
-  return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
-
-
-def _mask_leaves(mask: Any, params: Any, treedef: Any) -> list[Any]:
-  if mask is None:
-    return [True] * treedef.num_leaves
-  mask_tree = mask(params) if callable(mask) else mask
-  return treedef.flatten_up_to(mask_tree)
+  return fused.RowRule('rowwise_adagrad', new_rows, step, kernel,
+                       kernel_hyper, needs_params=l2)
 
 
 def _rowwise_adagrad_rule(
@@ -98,49 +106,41 @@ def _rowwise_adagrad_rule(
     accumulator_dtype: Optional[Any],
     l2_weight_decay: Any,
     mask: Optional[Union[Any, Callable[[Any], Any]]],
+    impl: str,
 ) -> optax.GradientTransformation:
-  """The row-wise Adagrad rule on dense arrays (every row given is touched).
+  """The row-wise Adagrad rule, dense or fused inside `lazy(...)`.
 
   `l2_weight_decay` (or None) is FBGEMM's L2 mode: added to the gradient.
   """
+  l2 = l2_weight_decay is not None
+  rule = _rule(l2)
 
   def init_fn(params):
     return ScaleByRowwiseAdagradState(
         count=jnp.zeros([], jnp.int32),
         sum_of_squares=jax.tree.map(
-            lambda p: row_shape_zeros(p, accumulator_dtype,
-                                      initial_accumulator_value), params))
+            lambda p: per_row_full(p, accumulator_dtype,
+                                   initial_accumulator_value), params))
 
   def update_fn(updates, state, params=None):
     count = optax.safe_increment(state.count)
-    treedef = jax.tree.structure(updates)
-    grads = treedef.flatten_up_to(updates)
-    accumulators = treedef.flatten_up_to(state.sum_of_squares)
-    param_leaves = [None] * len(grads)
-    decays = [False] * len(grads)
-    if l2_weight_decay is not None:
+    decays = None
+    if l2:
       if params is None:
         raise ValueError(
             "rowwise_adagrad with weight_decay_mode='l2' adds weight_decay * "
             'params to the gradient, so it needs params: call '
             'tx.update(grads, state, params).')
-      param_leaves = treedef.flatten_up_to(params)
-      decays = _mask_leaves(mask, params, treedef)
+      decays = mask_leaves(mask, params, jax.tree.structure(updates))
 
-    out, new_acc = [], []
-    for g, acc, p, decay in zip(grads, accumulators, param_leaves, decays):
-      dtype = compute_dtype(g.dtype, acc.dtype)
-      gd = g.astype(dtype)
-      if l2_weight_decay is not None and decay:
-        gd = gd + jnp.asarray(l2_weight_decay, dtype) * (
-            jnp.asarray(p).astype(dtype))
-      acc_new = acc.astype(dtype) + row_mean_square(gd)
-      denom = jnp.sqrt(acc_new) + jnp.asarray(eps, dtype)
-      step = gd / broadcast_rows(denom, gd)
-      out.append(step.astype(g.dtype))
-      new_acc.append(acc_new.astype(acc.dtype))
-    return treedef.unflatten(out), ScaleByRowwiseAdagradState(
-        count, treedef.unflatten(new_acc))
+    def leaf_hyper(i, hyper):
+      return hyper if decays is None or decays[i] else dict(hyper, l2=0.0)
+
+    new_updates, new = fused.apply_rule(
+        rule, updates, {'sum_of_squares': state.sum_of_squares},
+        params if l2 else None, dict(eps=eps, l2=l2_weight_decay), impl,
+        leaf_hyper=leaf_hyper)
+    return new_updates, ScaleByRowwiseAdagradState(count, **new)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -149,6 +149,8 @@ def scale_by_rowwise_adagrad(
     eps: float = 1e-8,
     initial_accumulator_value: float = 0.0,
     accumulator_dtype: Optional[Any] = None,
+    *,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Rescales updates by row-wise Adagrad (no learning rate, no decay).
 
@@ -165,6 +167,9 @@ def scale_by_rowwise_adagrad(
       starts at 0; `optax.adagrad` at 0.1).
     accumulator_dtype: dtype of `G` (default float32, float64 for float64
       parameters).
+    impl: how the touched rows are updated: `'auto'` (the CPU kernel where
+      it applies, see `lazy_optax.kernel_status`), `'generic'`, `'xla'` or
+      `'cpu_kernel'`.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
@@ -184,9 +189,11 @@ def scale_by_rowwise_adagrad(
   validate.hyperparameters(
       'scale_by_rowwise_adagrad', non_negative=dict(
           eps=eps, initial_accumulator_value=initial_accumulator_value))
+  fused.check_impl(impl, 'scale_by_rowwise_adagrad')
   return lazy(_rowwise_adagrad_rule(
       eps=eps, initial_accumulator_value=initial_accumulator_value,
-      accumulator_dtype=accumulator_dtype, l2_weight_decay=None, mask=None))
+      accumulator_dtype=accumulator_dtype, l2_weight_decay=None, mask=None,
+      impl=impl))
 
 
 def rowwise_adagrad(
@@ -198,6 +205,7 @@ def rowwise_adagrad(
     *,
     initial_accumulator_value: float = 0.0,
     accumulator_dtype: Optional[Any] = None,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Row-wise Adagrad: one accumulator per row, lazy on `SparseRows`.
 
@@ -220,6 +228,8 @@ def rowwise_adagrad(
       giving one, saying which parameters decay.
     initial_accumulator_value: the starting value of `G` (FBGEMM: 0).
     accumulator_dtype: dtype of `G` (default float32).
+    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'` (see
+      `scale_by_rowwise_adagrad`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state holds a
@@ -259,10 +269,12 @@ def rowwise_adagrad(
         "weight_decay_mode='none': pass weight_decay_mode='l2' (added to the "
         "gradient, FBGEMM's L2 mode) or 'decoupled' (w -= lr * weight_decay "
         "* w, FBGEMM's decoupled mode).")
+  fused.check_impl(impl, 'rowwise_adagrad')
   l2 = weight_decay if weight_decay_mode == 'l2' else None
   parts = [_rowwise_adagrad_rule(
       eps=eps, initial_accumulator_value=initial_accumulator_value,
-      accumulator_dtype=accumulator_dtype, l2_weight_decay=l2, mask=mask)]
+      accumulator_dtype=accumulator_dtype, l2_weight_decay=l2, mask=mask,
+      impl=impl)]
   if weight_decay_mode == 'decoupled':
     parts.append(optax.add_decayed_weights(weight_decay, mask))
   parts.append(optax.scale_by_learning_rate(learning_rate))

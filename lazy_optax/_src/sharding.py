@@ -16,6 +16,8 @@ from typing import Any, Optional
 import jax
 import optax
 
+from lazy_optax._src import cpu_kernels
+
 
 def _explicit_mesh(x: Any) -> Any:
   """The abstract mesh of `x`'s type when it has Explicit axes, else None."""
@@ -210,5 +212,6 @@ def init_sharded(
     >>> state[0].nu['table'].sharding.spec
     P('rows',)
   """
+  cpu_kernels.load_for(params)  # outside the jit below: never in a trace
   shardings = state_shardings(tx, params, param_shardings)
   return jax.jit(tx.init, out_shardings=shardings)(params)

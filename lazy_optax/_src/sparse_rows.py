@@ -12,6 +12,7 @@ import numpy as np
 
 from lazy_optax._src import dedup
 from lazy_optax._src import id_code
+from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src import validate
 
@@ -446,9 +447,8 @@ class SparseRows(metaclass=_SparseRowsType):
     array = jnp.asarray(array)
     self.check(where)
     validate.same_shape(tuple(array.shape), self.shape, where)
-    values = self.values.astype(array.dtype)
-    return array.at[self.safe_ids(where)].add(
-        values, mode='drop', **_sharding.scatter_kwargs(array))
+    return row_ops.add(array, self.safe_ids(where),
+                       self.values.astype(array.dtype))
 
   def astype(self, dtype: Any) -> 'SparseRows':
     """The same rows with values cast to `dtype` (the ids unchanged)."""

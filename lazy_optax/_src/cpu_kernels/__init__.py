@@ -1,141 +1,206 @@
-"""CPU kernels behind public `jax.ffi` calls, built on first use.
+"""CPU row kernels, called through JAX's public `jax.ffi`.
 
-XLA CPU reads rows that are not in cache about 3x slower in its gathers and
-scatters than a plain row copy does (benchmarks/README.md), and a lazy Adam
-step is mostly such reads: the moments of the touched rows. `adam_rows.cc`
-does the whole row update of `lazy_adam` (duplicates summed, moments updated
-in place, the step of each row) in one pass over the rows, as TensorFlow's
-and torch's kernels do.
+`rows.cc` holds the kernels (deduplication, row gather, scatter and
+scatter-add, and the fused row update of each lazy_optax rule); `build.py`
+finds or builds the compiled library and refuses files it cannot trust.
 
-The source ships with the package and is compiled once per machine with the
-system's C++ compiler (`$CXX`, else `c++`/`g++`) against the XLA FFI headers
-of the installed jaxlib (`jax.ffi.include_dir()`), into a cache folder
-(`$LAZY_OPTAX_CACHE`, else `~/.cache/lazy_optax`), keyed by the source, the
-jaxlib version and the compiler. Where any of that is missing or fails, or
-with `LAZY_OPTAX_CPU_KERNELS=0`, `available()` is False and `lazy_adam`
-keeps its pure-XLA path: the same numbers up to float32 rounding.
+The library is loaded eagerly, never inside a trace: by the first `init` of a
+lazy transformation on concrete parameters, by `lazy_optax.kernel_status()`,
+or ahead of time with `python3 -m lazy_optax.build_kernels`. Until then, and
+wherever it is missing (no compiler, a failed build, a refused file, or
+`LAZY_OPTAX_CPU_KERNELS=0`), `loaded()` is False and the pure-XLA paths are
+used: the same rules, the same numbers up to float32 rounding.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
-from typing import Optional
+import threading
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
-_HERE = os.path.dirname(os.path.abspath(__file__))
-_SOURCE = os.path.join(_HERE, 'adam_rows.cc')
-_TARGET = 'lazy_optax_adam_rows'
+from lazy_optax._src.cpu_kernels import build
+
 ENV_SWITCH = 'LAZY_OPTAX_CPU_KERNELS'
+TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
+           'LazyOptaxScatter', 'LazyOptaxScatterAdd', 'LazyOptaxAdam',
+           'LazyOptaxAmsgrad',
+           'LazyOptaxRowwiseAdagrad', 'LazyOptaxPartialRowwiseAdam',
+           'LazyOptaxFtrl')
+# Storage dtypes the kernels read and write (tables, moments, accumulators).
+STORAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
-def _cache_dir() -> str:
-  return os.environ.get('LAZY_OPTAX_CACHE') or os.path.join(
-      os.path.expanduser('~'), '.cache', 'lazy_optax')
+class Status(NamedTuple):
+  """Whether the kernels are loaded, and from where or why not."""
+  loaded: bool
+  detail: str  # the library's path and origin, or the reason it is missing
 
 
-def _compiler() -> Optional[str]:
-  for name in (os.environ.get('CXX'), 'c++', 'g++', 'clang++'):
-    if name and shutil.which(name):
-      return shutil.which(name)
-  return None
+_lock = threading.Lock()
+_status: Optional[Status] = None
 
 
-def _build() -> Optional[str]:
-  """Path of the compiled library, building it if needed; None on failure."""
-  cxx = _compiler()
-  if cxx is None:
-    return None
-  import jaxlib  # pylint: disable=g-import-not-at-top
-  with open(_SOURCE, 'rb') as f:
-    source = f.read()
-  try:
-    version = subprocess.run([cxx, '--version'], capture_output=True,
-                             text=True, timeout=60, check=False).stdout
-  except (OSError, subprocess.SubprocessError):
-    return None
-  flags = ['-O3', '-fno-math-errno', '-std=c++17', '-shared', '-fPIC']
-  key = hashlib.sha256(source + jaxlib.__version__.encode() + version.encode()
-                       + ' '.join(flags).encode()).hexdigest()[:20]
-  out = os.path.join(_cache_dir(), f'adam_rows_{key}.so')
-  if os.path.exists(out):
-    return out
-  os.makedirs(_cache_dir(), exist_ok=True)
-  fd, tmp = tempfile.mkstemp(suffix='.so', dir=_cache_dir())
-  os.close(fd)
-  cmd = [cxx, *flags, '-I', jax.ffi.include_dir(), _SOURCE, '-o', tmp]
-  try:
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                          check=False)
-  except (OSError, subprocess.SubprocessError):
-    done = None
-  if done is None or done.returncode != 0:
-    os.unlink(tmp)
-    return None
-  os.replace(tmp, out)  # atomic: concurrent builders agree on one file
-  return out
-
-
-@functools.lru_cache(maxsize=1)
-def available() -> bool:
-  """Whether the CPU kernels are built, loaded and registered with XLA."""
+def _load() -> Status:
   if os.environ.get(ENV_SWITCH, '1') == '0':
-    return False
+    return Status(False, f'switched off by {ENV_SWITCH}=0')
+  found = build.find()
+  if found.path is None:
+    build.LOGGER.warning(
+        'lazy_optax: CPU kernels unavailable (%s); the XLA path is used.',
+        found.origin)
+    return Status(False, found.origin)
   try:
-    path = _build()
-    if path is None:
-      return False
-    lib = ctypes.cdll.LoadLibrary(path)
-    jax.ffi.register_ffi_target(
-        _TARGET, jax.ffi.pycapsule(lib.LazyOptaxAdamRows), platform='cpu')
-  except Exception:  # pylint: disable=broad-except
-    return False
-  return True
+    lib = ctypes.cdll.LoadLibrary(found.path)
+    for name in TARGETS:
+      jax.ffi.register_ffi_target(
+          f'lazy_optax_{name}', jax.ffi.pycapsule(getattr(lib, name)),
+          platform='cpu')
+  except (OSError, AttributeError, ValueError, RuntimeError) as e:
+    build.LOGGER.warning(
+        'lazy_optax: the CPU kernels at %s could not be loaded (%s); the XLA '
+        'path is used.', found.path, e)
+    return Status(False, f'{found.path} could not be loaded: {e}')
+  return Status(True, f'{found.path} ({found.origin})')
 
 
-def usable() -> bool:
-  """The kernels apply: built, and the computation runs on one CPU device."""
-  return (jax.default_backend() == 'cpu' and jax.device_count() == 1
-          and available())
+def ensure_loaded() -> Status:
+  """Loads the kernels once per process (building them if needed).
 
-
-def adam_rows(ids: jax.Array, grads: jax.Array, hyper: jax.Array,
-              mu: jax.Array, nu: jax.Array
-              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
-  """lazy_adam's row update: see `adam_rows.cc`.
-
-  Args:
-    ids: int32 `[N]`; ids outside `[0, R)` touch no row.
-    grads: float32 `[N, D]`.
-    hyper: float32 `[7]`: `b1, 1 - b1, b2, 1 - b2, eps, eps_root` and the
-      step's bias correction `sqrt(1 - b2^t) / (1 - b1^t)`.
-    mu: float32 `[R, D]`, updated in place when donated.
-    nu: float32 `[R, D]`, likewise.
+  Call it eagerly, never inside a trace. Never raises: a failure is logged
+  once and recorded in the returned status.
 
   Returns:
-    `(mu, nu, unique_ids, updates)`: the new moment tables, `[N]` distinct
-    ids (unused slots hold `R`) and `[N, D]` updates (zeros in unused slots),
-    before the learning rate.
+    The `Status`.
   """
-  if not available():
-    raise RuntimeError(
-        'lazy_optax CPU kernels are not available (no C++ compiler, a '
-        f'failed build, or {ENV_SWITCH}=0).')
-  n, d = grads.shape
-  call = jax.ffi.ffi_call(
-      _TARGET,
-      (jax.ShapeDtypeStruct(mu.shape, jnp.float32),
-       jax.ShapeDtypeStruct(nu.shape, jnp.float32),
-       jax.ShapeDtypeStruct((n,), jnp.int32),
-       jax.ShapeDtypeStruct((n, d), jnp.float32)),
-      input_output_aliases={3: 0, 4: 1},
-      vmap_method='sequential')
-  new_mu, new_nu, unique_ids, updates = call(ids, grads, hyper, mu, nu)
-  return new_mu, new_nu, unique_ids, updates
+  global _status
+  with _lock:
+    if _status is None:
+      try:
+        _status = _load()
+      except Exception as e:  # pylint: disable=broad-except
+        build.LOGGER.warning('lazy_optax: CPU kernels unavailable (%r).', e)
+        _status = Status(False, f'unexpected error: {e!r}')
+    return _status
+
+
+def load_for(tree: Any) -> None:
+  """Loads the kernels for an eager call on concrete CPU arrays.
+
+  Called by `init` (and `init_sharded`): does nothing inside a trace, for
+  arrays on other platforms, or once loading was tried.
+  """
+  if _status is not None:
+    return
+  for leaf in jax.tree.leaves(tree):
+    if isinstance(leaf, jax.core.Tracer):
+      return
+    if isinstance(leaf, jax.Array) and any(
+        getattr(d, 'platform', None) == 'cpu'
+        for d in leaf.sharding.device_set):
+      ensure_loaded()
+      return
+
+
+def status() -> Optional[Status]:
+  """The status if loading was attempted, else None (no side effects)."""
+  return _status
+
+
+def loaded() -> bool:
+  """Whether the kernels are registered with XLA (no side effects)."""
+  return _status is not None and _status.loaded
+
+
+def _call(name: str, results, aliases=None):
+  return jax.ffi.ffi_call(f'lazy_optax_{name}', results,
+                          input_output_aliases=aliases or {},
+                          vmap_method='sequential')
+
+
+def _like(x) -> jax.ShapeDtypeStruct:
+  return jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+
+def dedup(ids: jax.Array, values: jax.Array, num_rows: int
+          ) -> tuple[jax.Array, jax.Array]:
+  """Distinct ids in ascending order (then `num_rows`) and their summed rows.
+
+  Ids outside `[0, num_rows)` are dropped; sums are taken in float32.
+  """
+  n = ids.shape[0]
+  call = _call('LazyOptaxDedup', (jax.ShapeDtypeStruct((n,), jnp.int32),
+                                  _like(values)))
+  return call(ids.astype(jnp.int32), values, num_rows=int(num_rows))
+
+
+def after(x: jax.Array, *after: jax.Array) -> jax.Array:
+  """`x`, computed only once every array in `after` exists (no copy)."""
+  call = _call('LazyOptaxAfter', _like(x), {0: 0})
+  for a in after:
+    x = call(x, a)
+  return x
+
+
+def gather(table: jax.Array, ids: jax.Array) -> jax.Array:
+  """`table[ids]`, zero rows for ids outside `[0, rows)`."""
+  shape = (ids.shape[0],) + tuple(table.shape[1:])
+  call = _call('LazyOptaxGather', jax.ShapeDtypeStruct(shape, table.dtype))
+  return call(table, ids.astype(jnp.int32))
+
+
+def scatter(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
+  """`table` with rows `ids` set to `rows` (distinct ids; others dropped)."""
+  call = _call('LazyOptaxScatter', _like(table), {0: 0})
+  return call(table, ids.astype(jnp.int32), rows.astype(table.dtype))
+
+
+def scatter_add(table: jax.Array, ids: jax.Array, rows: jax.Array
+                ) -> jax.Array:
+  """`table` with `rows` added at `ids` (in slot order; others dropped)."""
+  call = _call('LazyOptaxScatterAdd', _like(table), {0: 0})
+  return call(table, ids.astype(jnp.int32), rows.astype(table.dtype))
+
+
+def _rule(name: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
+          reads: tuple[jax.Array, ...], tables: tuple[jax.Array, ...]):
+  """A rule kernel: updates `tables` in place, returns them and the steps."""
+  first = 3 + len(reads)
+  call = _call(
+      name, tuple(_like(t) for t in tables)
+      + (jax.ShapeDtypeStruct(grads.shape, jnp.float32),),
+      {first + k: k for k in range(len(tables))})
+  out = call(ids.astype(jnp.int32), grads.astype(jnp.float32),
+             hyper.astype(jnp.float32), *reads, *tables)
+  return tuple(out[:-1]), out[-1]
+
+
+def adam(ids, grads, hyper, mu, nu, nu_max=None):
+  """TensorFlow's Adam rule; `hyper` = (b1, 1-b1, b2, 1-b2, eps, eps_root,
+  corr). Returns `((mu, nu[, nu_max]), updates)`."""
+  if nu_max is None:
+    return _rule('LazyOptaxAdam', ids, grads, hyper, (), (mu, nu))
+  return _rule('LazyOptaxAmsgrad', ids, grads, hyper, (), (mu, nu, nu_max))
+
+
+def rowwise_adagrad(ids, grads, hyper, params, accumulator):
+  """Row-wise Adagrad; `hyper` = (eps, l2). Returns `((acc,), updates)`."""
+  return _rule('LazyOptaxRowwiseAdagrad', ids, grads, hyper,
+               (params.astype(jnp.float32),), (accumulator,))
+
+
+def partial_rowwise_adam(ids, grads, hyper, mu, nu):
+  """Partial row-wise Adam; `hyper` = (b1, 1-b1, b2, 1-b2, eps, eps_root,
+  1-b1^t, 1-b2^t). Returns `((mu, nu), updates)`."""
+  return _rule('LazyOptaxPartialRowwiseAdam', ids, grads, hyper, (),
+               (mu, nu))
+
+
+def ftrl(ids, grads, hyper, params, accumulator, linear):
+  """FTRL; `hyper` = (lr, -lr_power, l1, l2, l2_shrinkage, beta). Returns
+  `((accumulator, linear), updates)`."""
+  return _rule('LazyOptaxFtrl', ids, grads, hyper,
+               (params.astype(jnp.float32),), (accumulator, linear))

@@ -1,0 +1,71 @@
+"""Where an array lives, as far as a trace can see it.
+
+The fused row updates choose their implementation per leaf from where the
+arrays live, not from how many devices the process has. Under `jax.jit` the
+array's type (`jax.typeof(x).sharding`) tells:
+
+- an empty mesh: the computation runs on one device (its platform is known
+  only when the step is lowered, so CPU-only code goes through
+  `jax.lax.platform_dependent`);
+- a mesh with Explicit axes: the partition spec says whether the rows are
+  split, and over which axes;
+- a mesh of several devices with Auto axes: the rows may be split, but the
+  type does not say how (XLA's partitioner decides later).
+
+A concrete array (an eager call) says the same through its `sharding`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+import jax
+
+
+class Placement(NamedTuple):
+  """Where a table lives.
+
+  kind: `'one'` (one device), `'explicit'` (a mesh with Explicit axes; the
+    rows split over `row_axes`, or replicated when that is empty) or
+    `'auto'` (several devices, split unknown at trace time).
+  platform: `'cpu'`, `'gpu'`, ... when known, else None (decided at
+    lowering).
+  mesh: the (abstract) mesh for `'explicit'`, else None.
+  row_axes: the mesh axes the rows are split over (`'explicit'` only).
+  """
+  kind: str
+  platform: Optional[str] = None
+  mesh: Any = None
+  row_axes: tuple[str, ...] = ()
+
+
+def _row_axes(spec: Any) -> tuple[str, ...]:
+  if not len(spec) or spec[0] is None:
+    return ()
+  first = spec[0]
+  return tuple(first) if isinstance(first, (tuple, list)) else (first,)
+
+
+def _platform(mesh: Any) -> Optional[str]:
+  device = getattr(mesh, 'abstract_device', None)
+  return getattr(device, 'platform', None)
+
+
+def placement(x: Any) -> Placement:
+  """Where `x` (a concrete array or a traced value) lives."""
+  if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+    devices = x.sharding.device_set
+    if len(devices) == 1:
+      device: Any = next(iter(devices))
+      return Placement('one', device.platform)
+  try:
+    sharding = jax.typeof(x).sharding
+  except (TypeError, AttributeError):
+    return Placement('auto')
+  mesh = getattr(sharding, 'mesh', None)
+  if mesh is None or mesh.empty or mesh.size == 1:
+    return Placement('one', _platform(mesh) if mesh is not None else None)
+  if getattr(mesh, 'explicit_axes', ()):
+    return Placement('explicit', _platform(mesh), mesh,
+                     _row_axes(sharding.spec))
+  return Placement('auto', _platform(mesh))
