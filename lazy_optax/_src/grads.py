@@ -41,6 +41,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.labels import path_name
 from lazy_optax._src.sparse_rows import index_dtype
@@ -147,6 +148,7 @@ class _Differentiate(_Recorder):
     super().__init__(tables, names)
     self.pending = {pos: list(p) for pos, p in perturbations.items()}
     self.ids: dict[int, list[jax.Array]] = {}
+    self.reads: dict[int, list[jax.Array]] = {}  # the rows looked up
 
   def take(self, table, ids, active, dtype):
     pos = self.position_of(table)
@@ -182,6 +184,7 @@ class _Differentiate(_Recorder):
     # checked mode (with_id_checks) reports them.
     named = ids if active is None else jnp.where(active, ids, num_rows)
     self.ids.setdefault(pos, []).append(named.reshape(-1))
+    self.reads.setdefault(pos, []).append(rows)
     return out
 
 
@@ -325,9 +328,9 @@ def _differentiate(call: Callable[..., Any], params: _Params,
             'second time; it must look its tables up the same way on every '
             'call.')
     ids = {i: jnp.concatenate(recorder.ids[i]) for i in sparse}
-    return loss, (aux, ids)
+    return loss, (aux, ids, recorder.reads)
 
-  (loss, (aux, ids)), (g_dense, g_rows) = jax.value_and_grad(
+  (loss, (aux, ids, reads)), (g_dense, g_rows) = jax.value_and_grad(
       grad_fn, argnums=(0, 1), has_aux=True)(
           [params.leaves[i] for i in dense], zeros)
   grads: list[Any] = [None] * len(params.leaves)
@@ -337,6 +340,11 @@ def _differentiate(call: Callable[..., Any], params: _Params,
     table = params.leaves[i]
     row_shape = tuple(jnp.shape(table)[1:])
     values = jnp.concatenate([g.reshape((-1,) + row_shape) for g in g_rows[i]])
+    # The gradient of a loss linear in the rows does not depend on them, and
+    # then nothing orders the lookup before the table's in-place update: XLA
+    # would copy the whole donated table every step. The gradient waits for
+    # the rows read (free at run time).
+    values = row_ops.after(values, *reads[i])
     grads[i] = _sparse_rows(ids[i], values.astype(table.dtype),
                             jnp.shape(table)[0])
   return loss, aux, jax.tree_util.tree_unflatten(params.treedef, grads)

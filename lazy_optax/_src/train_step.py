@@ -78,6 +78,43 @@ def _arg_name(path: Any) -> str:
   return 'args' + jax.tree_util.keystr(path)
 
 
+_HLO_TYPES = {'float32': 'f32', 'bfloat16': 'bf16', 'float16': 'f16',
+              'float64': 'f64', 'complex64': 'c64', 'complex128': 'c128'}
+
+
+def _hlo_shape(info: Any) -> str:
+  name = _HLO_TYPES.get(jnp.dtype(info.dtype).name, jnp.dtype(info.dtype).name)
+  return f'{name}[{",".join(str(int(d)) for d in info.shape)}]'
+
+
+# Copies of smaller arrays (a layout change of a small kernel) are not
+# worth a warning.
+COPY_WARN_BYTES = 2**20
+
+
+def _copied_tables(hlo: str, tables: Sequence[tuple[str, Any]]
+                   ) -> dict[str, int]:
+  """The donated tables that the compiled step copies whole, and the bytes.
+
+  A `copy` (or `copy-start`) instruction in the compiled program whose
+  result has a table's shape and dtype copies that table (or another
+  argument of the same shape: all of them are named). Tables under
+  `COPY_WARN_BYTES` are left out.
+  """
+  by_shape: dict[str, list[tuple[str, int]]] = {}
+  for name, info in tables:
+    if _nbytes(info) >= COPY_WARN_BYTES:
+      by_shape.setdefault(_hlo_shape(info), []).append((name, _nbytes(info)))
+  copied: dict[str, int] = {}
+  for line in hlo.splitlines():
+    if ' copy(' not in line and ' copy-start(' not in line:
+      continue
+    result = line.split('=', 1)[-1].strip().split('{', 1)[0].split(' ')[0]
+    for name, nbytes in by_shape.get(result.strip('()'), []):
+      copied[name] = copied.get(name, 0) + nbytes
+  return copied
+
+
 _ADVICE = (
     'Without donation XLA copies every table on each step, and the lazy step '
     'becomes slower than dense Adam. Donate the parameters and optimizer '
@@ -92,9 +129,14 @@ def warn_if_not_donated(step: Any, *args: Any, **kwargs: Any) -> bool:
   Lowers and compiles `step` for these arguments (nothing runs) and checks,
   with public JAX, that every floating-point argument array of two or more
   dimensions (embedding tables, their optimizer moments, kernels) is donated
-  (`Lowered.args_info`), and that the compiled step aliases at least that
-  many bytes of its inputs to its outputs (`Compiled.memory_analysis()`).
-  The warning (a `UserWarning`) is given once per `step`.
+  (`Lowered.args_info`), that the compiled program does not copy one of them
+  whole (a table-sized `copy` in `Compiled.as_text()`: XLA does that when the
+  step reads a table after its in-place update, as with a loss linear in
+  rows looked up outside `lazy_optax.value_and_grad`; the warning names the
+  table and the bytes copied per step), and that the compiled step aliases
+  at least that many bytes of its inputs to its outputs
+  (`Compiled.memory_analysis()`). The warning (a `UserWarning`) is given
+  once per `step`.
 
   Args:
     step: a function jitted with `jax.jit`, `nnx.jit` or `eqx.filter_jit`.
@@ -138,7 +180,24 @@ def warn_if_not_donated(step: Any, *args: Any, **kwargs: Any) -> bool:
           f'{names}{more} are not donated. {_ADVICE}', UserWarning,
           stacklevel=2)
     return False
-  stats = lowered.compile().memory_analysis()
+  compiled = lowered.compile()
+  copied = _copied_tables(compiled.as_text() or '', tables)
+  if copied:
+    if _first_time(step):
+      names = ', '.join(copied)
+      size = _size(sum(copied.values()))
+      warnings.warn(
+          f'lazy_optax: this train step donates its tables, but XLA copies '
+          f'{names} in full inside the compiled step ({size} a step): the '
+          'step reads a table after updating it in place. The usual cause is '
+          'a loss linear in the looked-up rows (its gradient does not depend '
+          'on them, so nothing orders the lookup before the update): look '
+          'the rows up with lazy_optax.lookup inside lazy_optax.value_and_grad '
+          '(or its Flax, Haiku and Equinox forms), which orders them; or '
+          'return nothing that reads the old table.', UserWarning,
+          stacklevel=2)
+    return False
+  stats = compiled.memory_analysis()
   needed = sum(_nbytes(info) for _, info in tables)
   aliased = getattr(stats, 'alias_size_in_bytes', None)
   if aliased is not None and aliased < needed:
