@@ -42,27 +42,7 @@ def _copy_notebooks() -> None:
       shutil.copy2(src, dst)
 
 
-def _mirror_benchmarks() -> None:
-  """Pages for `benchmarks/README.md` and its results, as build-time stubs.
-
-  The README links `benchmarks/README.md`, which links `results/*/results.md`;
-  each gets a page under `docs/benchmarks/` that includes the real file.
-  """
-  out = DOCS / 'benchmarks'
-  pages = {out / 'README.md': ('', ROOT / 'benchmarks' / 'README.md')}
-  for res in sorted((ROOT / 'benchmarks' / 'results').glob('*/results.md')):
-    pages[out / 'results' / res.parent.name / 'results.md'] = (
-        '---\norphan: true\n---\n\n', res)
-  for page, (head, src) in pages.items():
-    page.parent.mkdir(parents=True, exist_ok=True)
-    rel = os.path.relpath(src, page.parent)
-    text = f'{head}```{{include}} {rel}\n:relative-images:\n```\n'
-    if not page.exists() or page.read_text() != text:
-      page.write_text(text)
-
-
 _copy_notebooks()
-_mirror_benchmarks()
 
 project = 'lazy_optax'
 author = 'lazy_optax developers'

@@ -1,7 +1,7 @@
 """Optimizer state per table row, from the real state; per-row state leaves.
 
-The bytes-per-row table in the README's "Memory-lean embedding optimizers"
-section is checked against `tx.init` here.
+The bytes-per-row table of docs/optimizers.md ("Optimizer state per table
+row") is checked against `tx.init` here.
 """
 
 import pathlib
@@ -21,11 +21,15 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 ROWS, D = 1000, 64
 BF16 = jnp.bfloat16
 
-# README name -> (float32 state, bfloat16 moments), each (tx, table dtype).
+# Table name -> (float32 state, bfloat16 moments), each (tx, table dtype).
 CONFIGS = {
     'lazy_adam': (
         (lazy_optax.lazy_adam(1e-3), jnp.float32),
         (lazy_optax.lazy_adam(1e-3, mu_dtype=BF16, nu_dtype=BF16),
+         jnp.float32)),
+    'lazy_adamw': (
+        (lazy_optax.lazy_adamw(1e-3), jnp.float32),
+        (lazy_optax.lazy_adamw(1e-3, mu_dtype=BF16, nu_dtype=BF16),
          jnp.float32)),
     'lazy_adam(amsgrad=True)': (
         (lazy_optax.lazy_adam(1e-3, amsgrad=True), jnp.float32),
@@ -55,6 +59,7 @@ CONFIGS = {
 
 EXPECTED = {  # bytes per row at D = 64: (float32, bfloat16 moments)
     'lazy_adam': (512, 256),
+    'lazy_adamw': (512, 256),
     'lazy_adam(amsgrad=True)': (768, 384),
     'row_adam': (520, 264),
     'partial_rowwise_adam': (260, 130),
@@ -85,11 +90,11 @@ def test_state_bytes_per_row(name):
   assert got == EXPECTED[name]
 
 
-def _readme_table():
-  text = (ROOT / 'README.md').read_text()
-  section = re.search(r'## Memory-lean embedding optimizers\n(.*?)\n## ',
+def _docs_table():
+  text = (ROOT / 'docs' / 'optimizers.md').read_text()
+  section = re.search(r'## Optimizer state per table row\n(.*?)\n## ',
                       text + '\n## ', re.S)
-  assert section, 'README.md lacks the memory-lean optimizers section'
+  assert section, 'docs/optimizers.md lacks its state-per-row section'
   lines = section.group(1).splitlines()
   start = next(i for i, line in enumerate(lines)
                if line.startswith('|') and 'bytes per row' in line)
@@ -107,8 +112,8 @@ def _readme_table():
   return rows
 
 
-def test_readme_table_matches_the_real_state():
-  table = _readme_table()
+def test_docs_table_matches_the_real_state():
+  table = _docs_table()
   assert table == EXPECTED
 
 

@@ -1,11 +1,13 @@
 """A DLRM-shaped model: 26 embedding tables and an MLP, one contender per run.
 
-Run by `run.py` in a fresh, pinned subprocess per (contender, thread count):
+Run by `benchmarks/run.py` in a fresh, pinned subprocess per (contender,
+thread count), from the repository root:
 
-    python3 benchmarks/dlrm.py '{"contender": "dlrm_lazy", "threads": 1, ...}'
+    python3 -m benchmarks.harness.dlrm '{"contender": "dlrm_lazy", ...}'
 
-The tables have the Criteo Kaggle (Display Advertising Challenge) categorical
-cardinalities, capped at `cap` rows (1,000,000: 5,569,296 rows in all), and
+The model and its batches are `benchmarks/common.py`'s. The tables have
+the Criteo Kaggle (Display Advertising Challenge) categorical cardinalities,
+capped at `cap` rows (1,000,000: 5,569,296 rows in all), and
 `row` (16) floats a row. A batch is `batch` (2,048) examples, each with one
 Zipf-distributed id per table (hot ids spread over each table), 13 dense
 features and a 0/1 label. The model concatenates the 26 looked-up rows and
@@ -21,6 +23,9 @@ Contenders:
                      `optim.SparseAdam`, the MLP with `optim.Adam`
   dlrm_optax_dense   optax.adam, dense gradients (`jax.value_and_grad`),
                      jit, donated
+  dlrm_rowwise_adagrad  lazy_optax.rowwise_adagrad on every parameter (the
+                     tables lazily), otherwise as dlrm_lazy: the rule that
+                     `fbgemm_contender.py` measures in FBGEMM
 
 Prints one JSON object on its last line of stdout.
 """
@@ -33,57 +38,30 @@ import os
 import sys
 import time
 
-from contenders import _peak_rss_mb
-from contenders import _rss_mb
-from contenders import _time_loop
-from contenders import ids_digest
-from contenders import lazy_step_bytes
-from contenders import LR
-from contenders import make_batches
 import numpy as np
 
-# Criteo Kaggle (Display Advertising Challenge) categorical cardinalities.
-CRITEO_KAGGLE = (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145,
-                 5683, 8351593, 3194, 27, 14992, 5461306, 10, 5652, 2173, 4,
-                 7046547, 18, 15, 286181, 105, 142572)
-DEFAULTS = {'cap': 1_000_000, 'row': 16, 'batch': 2048, 'dense': 13,
-            'mlp': [64], 'dist': 'zipf'}
+from benchmarks.common import cardinalities
+from benchmarks.common import CRITEO_KAGGLE
+from benchmarks.common import DLRM_DEFAULTS
+from benchmarks.common import ids_digest
+from benchmarks.common import init_mlp
+from benchmarks.common import init_tables
+from benchmarks.common import lazy_step_bytes
+from benchmarks.common import LR
+from benchmarks.common import make_dlrm_batches
+from benchmarks.common import mlp_shapes
+from benchmarks.common import peak_rss_mb
+from benchmarks.common import rss_mb
+from benchmarks.common import time_loop
+
+DEFAULTS = DLRM_DEFAULTS
 CONTENDERS = ('dlrm_lazy', 'dlrm_lazy_concat', 'dlrm_torch_sparse',
               'dlrm_optax_dense')
 
 
-def cardinalities(cfg: dict) -> list[int]:
-  """Rows of the 26 tables: Criteo Kaggle's, capped at `cfg['cap']`."""
-  return [min(c, cfg['cap']) for c in CRITEO_KAGGLE]
-
-
-def make_dlrm_batches(cfg: dict) -> list[dict[str, np.ndarray]]:
-  """`pool` batches: ids [batch, 26] int32, dense [batch, 13], labels."""
-  cards = cardinalities(cfg)
-  per_table = [make_batches({'rows': c, 'ids': cfg['batch'],
-                             'dist': cfg['dist'], 'pool': cfg['pool'],
-                             'seed': 1000 + t})
-               for t, c in enumerate(cards)]
-  rng = np.random.default_rng(7)
-  out = []
-  for k in range(cfg['pool']):
-    out.append({
-        'ids': np.stack([per_table[t][k] for t in range(len(cards))], 1),
-        'dense': rng.normal(size=(cfg['batch'], cfg['dense'])).astype(
-            np.float32),
-        'labels': (rng.random(cfg['batch']) < 0.25).astype(np.float32),
-    })
-  return out
-
-
-def _mlp_shapes(cfg: dict) -> list[tuple[int, int]]:
-  sizes = [26 * cfg['row'] + cfg['dense'], *cfg['mlp'], 1]
-  return list(zip(sizes[:-1], sizes[1:]))
-
-
 def traffic(cfg: dict, batches: list[dict[str, np.ndarray]]) -> dict:
   """The bytes a lazy Adam step must move (`contenders.lazy_step_bytes`)."""
-  dense_bytes = 4 * sum(i * o + o for i, o in _mlp_shapes(cfg))
+  dense_bytes = 4 * sum(i * o + o for i, o in mlp_shapes(cfg))
   total: dict = {}
   for t in range(len(CRITEO_KAGGLE)):
     part = lazy_step_bytes([b['ids'][:, t] for b in batches], 4 * cfg['row'])
@@ -94,16 +72,6 @@ def traffic(cfg: dict, batches: list[dict[str, np.ndarray]]) -> dict:
     total[k] += dense[k]
   total['dense_param_bytes'] = dense_bytes
   return total
-
-
-def _init_tables(cfg: dict, rng: np.random.Generator) -> list[np.ndarray]:
-  return [rng.random((c, cfg['row']), dtype=np.float32) * np.float32(0.02)
-          - np.float32(0.01) for c in cardinalities(cfg)]
-
-
-def _init_mlp(cfg: dict, rng: np.random.Generator) -> list[tuple]:
-  return [((rng.normal(size=(i, o)) / np.sqrt(i)).astype(np.float32),
-           np.zeros((o,), np.float32)) for i, o in _mlp_shapes(cfg)]
 
 
 # -- JAX ----------------------------------------------------------------------
@@ -124,9 +92,9 @@ def jax_setup(cfg: dict):
   cards = cardinalities(cfg)
   offsets = np.concatenate([[0], np.cumsum(cards)[:-1]]).astype(np.int32)
   rng = np.random.default_rng(1)
-  tables = _init_tables(cfg, rng)
+  tables = init_tables(cfg, rng)
   mlp = [{'w': jnp.asarray(w), 'b': jnp.asarray(b)}
-         for w, b in _init_mlp(cfg, rng)]
+         for w, b in init_mlp(cfg, rng)]
   concat = name == 'dlrm_lazy_concat'
   if concat:
     params = {'table': jnp.asarray(np.concatenate(tables)), 'mlp': mlp}
@@ -143,8 +111,9 @@ def jax_setup(cfg: dict):
 
     def take(table, ids):
       return table[ids]
-  elif name in ('dlrm_lazy', 'dlrm_lazy_concat'):
-    tx = lazy_optax.lazy_adam(LR)
+  elif name in ('dlrm_lazy', 'dlrm_lazy_concat', 'dlrm_rowwise_adagrad'):
+    tx = (lazy_optax.rowwise_adagrad(LR) if name == 'dlrm_rowwise_adagrad'
+          else lazy_optax.lazy_adam(LR))
     take = lazy_optax.lookup
   else:
     raise ValueError(f'unknown JAX contender {name!r}')
@@ -177,12 +146,12 @@ def jax_setup(cfg: dict):
 def _jax_contender(cfg: dict) -> dict:
   import jax  # pylint: disable=g-import-not-at-top
 
-  rss_base = _rss_mb()
+  rss_base = rss_mb()
   step, params, state, batches = jax_setup(cfg)
   np_batches = [{k: np.asarray(v) for k, v in b.items()} for b in batches]
   result: dict = {'ids_digest': ids_digest([b['ids'] for b in np_batches]),
                   'rss_base_mb': rss_base}
-  if cfg['contender'] != 'dlrm_optax_dense':
+  if cfg['contender'] in ('dlrm_lazy', 'dlrm_lazy_concat'):  # Adam's traffic
     result['traffic'] = traffic(cfg, np_batches)
   t0 = time.perf_counter()
   lowered = step.lower(params, state, batches[0])
@@ -203,7 +172,7 @@ def _jax_contender(cfg: dict) -> dict:
   t0 = time.perf_counter()
   run_train(0)
   result['first_step_s'] = time.perf_counter() - t0
-  result['train'] = _time_loop(run_train, len(batches), cfg)
+  result['train'] = time_loop(run_train, len(batches), cfg)
   result['final_loss'] = float(jax.device_get(
       compiled(box[0], box[1], batches[0])[2]))
   return result
@@ -216,16 +185,16 @@ def _torch_contender(cfg: dict) -> dict:
   import torch  # pylint: disable=g-import-not-at-top
 
   torch.set_num_threads(cfg['threads'])
-  rss_base = _rss_mb()
+  rss_base = rss_mb()
   rng = np.random.default_rng(1)
   embs = []
-  for t in _init_tables(cfg, rng):
+  for t in init_tables(cfg, rng):
     emb = torch.nn.Embedding(t.shape[0], t.shape[1], sparse=True)
     with torch.no_grad():
       emb.weight.copy_(torch.from_numpy(t))
     embs.append(emb)
   layers = []
-  for w, b in _init_mlp(cfg, rng):
+  for w, b in init_mlp(cfg, rng):
     lin = torch.nn.Linear(w.shape[0], w.shape[1])
     with torch.no_grad():
       lin.weight.copy_(torch.from_numpy(w.T))
@@ -260,7 +229,7 @@ def _torch_contender(cfg: dict) -> dict:
   t0 = time.perf_counter()
   run_train(0)
   result['first_step_s'] = time.perf_counter() - t0
-  result['train'] = _time_loop(run_train, len(batches), cfg)
+  result['train'] = time_loop(run_train, len(batches), cfg)
   result['final_loss'] = float(run_train(0))
   return result
 
@@ -278,7 +247,7 @@ def main() -> None:
   else:
     result = _jax_contender(cfg)
   gc.collect()
-  result['peak_rss_mb'] = _peak_rss_mb()
+  result['peak_rss_mb'] = peak_rss_mb()
   result['cpus'] = sorted(os.sched_getaffinity(0))
   print(json.dumps(result))
 

@@ -1,10 +1,10 @@
-"""One contender, one configuration, measured in this process.
+"""One single-table contender, one configuration, measured in this process.
 
-Run by `run.py` in a fresh subprocess per (contender, configuration), pinned
-to the cores it may use, so that peak resident memory and thread counts
-belong to that contender alone:
+Run by `benchmarks/run.py` in a fresh subprocess per (contender,
+configuration), pinned to the cores it may use, so that peak resident memory
+and thread counts belong to that contender alone (from the repository root):
 
-    python3 benchmarks/contenders.py '{"contender": "lazy_sparse", ...}'
+    python3 -m benchmarks.harness.contenders '{"contender": "lazy_sparse", ...}'
 
 It prints one JSON object on its last line of stdout.
 
@@ -13,6 +13,12 @@ table: `loss = mean((table[ids] @ w - 1)^2)`, with a `[num_rows, row]` table
 and a `[row]` dense weight. The whole train step (lookup, backward, update)
 and the optimizer step alone (update and apply, on a gradient prepared
 beforehand) are timed separately.
+
+JAX contenders: `lazy_sparse` (`lazy_adam`), `lazy_sparse_nodonate`,
+`lazy_dense_skip`, `optax_dense` and `rowwise_adagrad`
+(`lazy_optax.rowwise_adagrad` on the table and the weight, the rule that
+`fbgemm_contender.py` measures in FBGEMM); torch contenders: `torch_sparse`,
+`torch_dense`.
 """
 
 from __future__ import annotations
@@ -20,101 +26,19 @@ from __future__ import annotations
 import gc
 import json
 import os
-import resource
 import sys
 import time
 import types
-import zlib
 
 import numpy as np
 
-LR = 1e-3
-
-
-def _rss_mb() -> float:
-  try:
-    with open('/proc/self/statm') as f:
-      return int(f.read().split()[1]) * os.sysconf('SC_PAGE_SIZE') / 2**20
-  except OSError:
-    return float('nan')
-
-
-def _peak_rss_mb() -> float:
-  return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def make_batches(cfg: dict) -> list[np.ndarray]:
-  """The id batches of a configuration (the same for every contender)."""
-  v, n = cfg['rows'], cfg['ids']
-  rng = np.random.default_rng(cfg.get('seed', 0))
-  if cfg['dist'] == 'zipf':
-    # Zipf(s) over ranks; ranks land on a random permutation of the rows so
-    # that hot rows are spread over the table, as hashed ids are.
-    weights = 1.0 / np.arange(1, v + 1, dtype=np.float64) ** cfg.get('zipf_s',
-                                                                     1.0)
-    cdf = np.cumsum(weights)
-    cdf /= cdf[-1]
-    perm = rng.permutation(v).astype(np.int32)
-    return [perm[np.minimum(np.searchsorted(cdf, rng.random(n)), v - 1)]
-            for _ in range(cfg['pool'])]
-  if cfg['dist'] == 'uniform':
-    return [rng.integers(0, v, n).astype(np.int32) for _ in range(cfg['pool'])]
-  raise ValueError(f'unknown id distribution {cfg["dist"]!r}')
-
-
-def ids_digest(batches: list[np.ndarray]) -> str:
-  """A short digest of id batches: equal digests, equal ids in every library."""
-  h = zlib.crc32(b'')
-  for b in batches:
-    h = zlib.crc32(np.ascontiguousarray(b, dtype=np.int64).tobytes(), h)
-  return f'{h:08x}'
-
-
-def lazy_step_bytes(batches: list[np.ndarray], row_bytes: int,
-                    dense_bytes: int = 0) -> dict:
-  """Bytes that a lazy Adam train step must move, per step (mean over batches).
-
-  Read: the ids (4 bytes each), the looked-up rows (one per id), the gradient
-  rows (one per id), and the touched rows of the parameter, `mu` and `nu`;
-  written: those three sets of touched rows. Dense parameters of `dense_bytes`
-  bytes add their gradient (read) and the parameter, `mu` and `nu` (read and
-  written). This is the traffic that an ideal implementation cannot avoid;
-  divided by the step time it gives the step's effective bandwidth.
-  """
-  n = float(np.mean([b.size for b in batches]))
-  u = float(np.mean([np.unique(b).size for b in batches]))
-  read = 4 * n + 2 * n * row_bytes + 3 * u * row_bytes + 4 * dense_bytes
-  written = 3 * u * row_bytes + 3 * dense_bytes
-  return {'ids': n, 'unique_rows': u, 'bytes_read': read,
-          'bytes_written': written, 'bytes': read + written}
-
-
-def _stats(samples: list[float]) -> dict:
-  a = np.asarray(samples) * 1e3
-  return {
-      'median_ms': float(np.median(a)),
-      'p10_ms': float(np.percentile(a, 10)),
-      'p90_ms': float(np.percentile(a, 90)),
-      'min_ms': float(a.min()),
-      'n': int(a.size),
-  }
-
-
-def _time_loop(step, n_batches: int, cfg: dict) -> dict:
-  """Warm-up, then time single steps until `steps` or `budget_s` is reached."""
-  for k in range(cfg['warmup']):
-    step(k % n_batches)
-  samples: list[float] = []
-  deadline = time.perf_counter() + cfg['budget_s']
-  k = 0
-  while len(samples) < cfg['steps'] and (
-      len(samples) < cfg['min_steps'] or time.perf_counter() < deadline):
-    t0 = time.perf_counter()
-    step(k % n_batches)
-    samples.append(time.perf_counter() - t0)
-    k += 1
-  return _stats(samples)
-
+from benchmarks.common import ids_digest
+from benchmarks.common import lazy_step_bytes
+from benchmarks.common import LR
+from benchmarks.common import make_batches
+from benchmarks.common import peak_rss_mb
+from benchmarks.common import rss_mb
+from benchmarks.common import time_loop
 
 # -- JAX contenders -----------------------------------------------------------
 
@@ -145,8 +69,10 @@ def jax_setup(cfg: dict) -> types.SimpleNamespace:
   def loss_fn(rows, w):
     return jnp.mean((rows @ w - 1.0) ** 2)
 
-  sparse = name in ('lazy_sparse', 'lazy_sparse_nodonate')
-  if sparse:
+  sparse = name in ('lazy_sparse', 'lazy_sparse_nodonate', 'rowwise_adagrad')
+  if name == 'rowwise_adagrad':
+    tx = lazy_optax.rowwise_adagrad(LR)
+  elif sparse:
     tx = lazy_optax.lazy_adam(LR)
   elif name == 'lazy_dense_skip':
     tx = lazy_optax.lazy(optax.adam(LR), skip_zero_rows=True)
@@ -185,7 +111,7 @@ def _jax_contender(cfg: dict) -> dict:
 
   import lazy_optax
 
-  rss_base = _rss_mb()
+  rss_base = rss_mb()
   setup = jax_setup(cfg)
   v, d = cfg['rows'], cfg['row']
   train_step, opt_step, tx = setup.train_step, setup.opt_step, setup.tx
@@ -193,7 +119,7 @@ def _jax_contender(cfg: dict) -> dict:
   np_batches, donate, sparse = setup.np_batches, setup.donate, setup.sparse
 
   result: dict = {'ids_digest': ids_digest(np_batches)}
-  if sparse:
+  if sparse and cfg['contender'] != 'rowwise_adagrad':  # Adam's traffic
     result['traffic'] = lazy_step_bytes(np_batches, 4 * d, dense_bytes=4 * d)
   # Whole train step.
   params = fresh_params()
@@ -215,7 +141,7 @@ def _jax_contender(cfg: dict) -> dict:
   t0 = time.perf_counter()
   run_train(0)
   result['first_step_s'] = time.perf_counter() - t0
-  result['train'] = _time_loop(run_train, len(batches), cfg)
+  result['train'] = time_loop(run_train, len(batches), cfg)
   del box[:], params, state
   gc.collect()
   if not cfg.get('opt', True):
@@ -244,7 +170,7 @@ def _jax_contender(cfg: dict) -> dict:
     jax.block_until_ready(p)
     box[0], box[1] = p, s
 
-  result['opt'] = _time_loop(run_opt, len(grads_pool), cfg)
+  result['opt'] = time_loop(run_opt, len(grads_pool), cfg)
   result['rss_base_mb'] = rss_base
   return result
 
@@ -262,7 +188,7 @@ def _torch_contender(cfg: dict) -> dict:
   np_batches = make_batches(cfg)
   batches = [torch.from_numpy(b.astype(np.int64)) for b in np_batches]
   rng = np.random.default_rng(1)
-  rss_base = _rss_mb()
+  rss_base = rss_mb()
 
   def fresh_model():
     emb = torch.nn.Embedding(v, d, sparse=sparse)
@@ -292,7 +218,7 @@ def _torch_contender(cfg: dict) -> dict:
   run_train(0)
   result['first_step_s'] = time.perf_counter() - t0
   result['compile_s'] = 0.0
-  result['train'] = _time_loop(run_train, len(batches), cfg)
+  result['train'] = time_loop(run_train, len(batches), cfg)
   del emb, w, opts
   gc.collect()
   if not cfg.get('opt', True):
@@ -315,7 +241,7 @@ def _torch_contender(cfg: dict) -> dict:
     for o in opts:
       o.step()
 
-  result['opt'] = _time_loop(run_opt, len(grads_pool), cfg)
+  result['opt'] = time_loop(run_opt, len(grads_pool), cfg)
   result['rss_base_mb'] = rss_base
   return result
 
@@ -332,7 +258,7 @@ def main() -> None:
     result = _torch_contender(cfg)
   else:
     result = _jax_contender(cfg)
-  result['peak_rss_mb'] = _peak_rss_mb()
+  result['peak_rss_mb'] = peak_rss_mb()
   result['cpus'] = sorted(os.sched_getaffinity(0))
   print(json.dumps(result))
 

@@ -1,17 +1,17 @@
 """Memory-lean optimizers side by side: state bytes, step times, peak RSS.
 
-    python3 benchmarks/lean_optimizers.py            # speed + memory (~2 min)
-    python3 benchmarks/lean_optimizers.py --speed    # train steps only
-    python3 benchmarks/lean_optimizers.py --memory   # peak RSS only
-    python3 benchmarks/lean_optimizers.py --smoke    # everything, tiny sizes
+    python3 -m benchmarks.experiments.lean_optimizers          # both (~2 min)
+    python3 -m benchmarks.experiments.lean_optimizers --speed  # train steps
+    python3 -m benchmarks.experiments.lean_optimizers --memory # peak RSS only
+    python3 -m benchmarks.experiments.lean_optimizers --smoke  # tiny sizes
 
 Speed: the whole train step (lookup, backward, update, apply; jitted,
 params and state donated) of `rowwise_adagrad`, `partial_rowwise_adam`,
 `ftrl` and `lazy(optax.adagrad)` next to `lazy_adam`, on a 1,000,000 x 64
 float32 table and a `[64]` dense weight (`loss = mean((table[ids] @ w -
-1)^2)`, as in `contenders.py`), with 4,096 Zipf ids a batch. Every optimizer
-is timed in the same process, in two interleaved rounds (the second in
-reverse order); the ratios to `lazy_adam` come from those medians.
+1)^2)`, as in `harness/contenders.py`), with 4,096 Zipf ids a batch.
+Every optimizer is timed in the same process, in two interleaved rounds (the
+second in reverse order); the ratios to `lazy_adam` come from those medians.
 
 Memory: a fresh subprocess builds a 4,000,000 x 64 float32 table (1 GiB) and
 its `rowwise_adagrad` state on the device, trains it with donated steps, and
@@ -37,18 +37,15 @@ import time
 
 import numpy as np
 
+from benchmarks.common import make_batches
+
 GIB = 1 << 30
 
 
 def zipf_batches(num_rows: int, n_ids: int, pool: int, seed: int = 0):
   """Zipf(1) ranks over a random permutation of the rows (hashed hot ids)."""
-  rng = np.random.default_rng(seed)
-  weights = 1.0 / np.arange(1, num_rows + 1, dtype=np.float64)
-  cdf = np.cumsum(weights)
-  cdf /= cdf[-1]
-  perm = rng.permutation(num_rows).astype(np.int32)
-  return [perm[np.minimum(np.searchsorted(cdf, rng.random(n_ids)),
-                          num_rows - 1)] for _ in range(pool)]
+  return make_batches({'rows': num_rows, 'ids': n_ids, 'dist': 'zipf',
+                       'pool': pool, 'seed': seed})
 
 
 def optimizers():
@@ -231,7 +228,8 @@ def memory_child(args) -> int:
 
 
 def memory(args) -> dict:
-  cmd = [sys.executable, os.path.abspath(__file__), '--memory-child',
+  cmd = [sys.executable, '-m', 'benchmarks.experiments.lean_optimizers',
+         '--memory-child',
          f'--big-rows={args.big_rows}', f'--row={args.row}',
          f'--ids={args.ids}', f'--big-steps={args.big_steps}']
   proc = subprocess.run(cmd, capture_output=True, text=True, check=False)

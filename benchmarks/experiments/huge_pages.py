@@ -1,8 +1,8 @@
 """`lazy_optax.advise_huge_pages`: the same train step on 4 KiB and huge pages.
 
-    taskset -c 0 python3 benchmarks/huge_pages.py        # 1 thread
-    taskset -c 0,1 python3 benchmarks/huge_pages.py      # 2 threads
-    python3 benchmarks/huge_pages.py --dlrm   # the 26-table model too
+    taskset -c 0 python3 -m benchmarks.experiments.huge_pages     # 1 thread
+    taskset -c 0,1 python3 -m benchmarks.experiments.huge_pages   # 2 threads
+    python3 -m benchmarks.experiments.huge_pages --dlrm   # 26 tables too
 
 One process, one compiled step, two sets of params and optimizer state: one
 left as XLA allocated it, one passed through `advise_huge_pages` after
@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import numpy as np
 
-import numpy as np  # noqa: E402
+from benchmarks.common import DLRM_DEFAULTS
+from benchmarks.common import LR
+from benchmarks.harness import contenders
+from benchmarks.harness import dlrm
 
 
 def _huge_mib() -> float:
@@ -78,7 +79,6 @@ def main() -> None:
   parser.add_argument('--dlrm', action='store_true',
                       help='also the 26-table DLRM-shaped step')
   args = parser.parse_args()
-  import contenders
   import jax
 
   import lazy_optax
@@ -99,13 +99,12 @@ def main() -> None:
   _ab('lazy_adam 1,000,000 x 64, 4,096 Zipf ids', compiled, make,
       setup.batches, args.rounds, args.steps)
   if args.dlrm:
-    import dlrm
-    dcfg = dict(dlrm.DEFAULTS, contender='dlrm_lazy', pool=8, seed=0)
+    dcfg = dict(DLRM_DEFAULTS, contender='dlrm_lazy', pool=8, seed=0)
     step, params, state, batches = dlrm.jax_setup(dcfg)
     host = jax.tree.map(np.asarray, params)
     compiled = step.lower(params, state, batches[0]).compile()
     del params, state
-    tx = lazy_optax.lazy_adam(contenders.LR)
+    tx = lazy_optax.lazy_adam(LR)
 
     def make_dlrm():
       p = jax.tree.map(jax.numpy.asarray, host)

@@ -1,7 +1,7 @@
 """Peak memory while training a big table with lazy_adam (one process).
 
-    python3 benchmarks/memory_big_table.py                  # 4,000,000 x 64
-    python3 benchmarks/memory_big_table.py --no-donate      # for contrast
+    python3 -m benchmarks.experiments.memory_big_table          # 4,000,000 x 64
+    python3 -m benchmarks.experiments.memory_big_table --no-donate   # contrast
 
 A 4,000,000 x 64 float32 table is 1 GiB; with `mu` and `nu` the state to
 keep is 3 GiB. The script builds the table and the state directly on the

@@ -1,9 +1,9 @@
 """Markdown tables, target ratios and PNG plots from a `results.json`.
 
-    python3 benchmarks/report.py benchmarks/results/full/results.json
+    python3 -m benchmarks.harness.report benchmarks/results/full/results.json
 
-`run.py` calls `write` at the end of a run; this script redraws the report
-from a saved JSON file.
+`benchmarks/run.py` calls `write` at the end of a run; this module redraws
+the report from a saved JSON file.
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ import sys
 
 import numpy as np
 
+from benchmarks.common import TARGET
+
 LABELS = {
     'lazy_sparse': 'lazy_optax lazy_adam, SparseRows (jit, donated)',
     'tf_lazy_adam': 'TF Addons LazyAdam (tf.function)',
@@ -23,6 +25,8 @@ LABELS = {
     'optax_dense': 'optax.adam, dense grad (jit, donated)',
     'torch_sparse': 'torch SparseAdam, Embedding(sparse=True)',
     'torch_dense': 'torch Adam, dense Embedding',
+    'rowwise_adagrad': 'lazy_optax rowwise_adagrad, SparseRows (jit, donated)',
+    'fbgemm_rowwise_adagrad': 'FBGEMM CPU TBE, EXACT_ROWWISE_ADAGRAD',
 }
 ORDER = tuple(LABELS)
 DLRM_LABELS = {
@@ -30,9 +34,11 @@ DLRM_LABELS = {
     'dlrm_lazy_concat': 'lazy_optax lazy_adam, 26 tables concatenated into 1',
     'dlrm_torch_sparse': 'torch SparseAdam, 26 Embedding(sparse=True)',
     'dlrm_optax_dense': 'optax.adam, dense grads (jit, donated)',
+    'dlrm_rowwise_adagrad': 'lazy_optax rowwise_adagrad, 26 tables',
+    'dlrm_fbgemm_rowwise_adagrad': 'FBGEMM CPU TBE (26 tables), '
+                                   'EXACT_ROWWISE_ADAGRAD; torch Adagrad MLP',
 }
 LAZY = ('lazy_sparse', 'dlrm_lazy', 'dlrm_lazy_concat')
-TARGET = {'rows': 1_000_000, 'row': 64, 'ids': 4096, 'dist': 'zipf'}
 
 
 def _key(r: dict) -> tuple:
@@ -112,9 +118,9 @@ def ratios(results: dict) -> list[tuple[str, float | None, str]]:
       return None if t is None else t / lazy
 
     out.append((f'{threads} thread(s): TF Addons LazyAdam train step / '
-                'lazy_adam', ratio('tf_lazy_adam'), '>= 1.3'))
+                'lazy_adam', ratio('tf_lazy_adam'), '>= 2'))
     out.append((f'{threads} thread(s): torch SparseAdam train step / '
-                'lazy_adam', ratio('torch_sparse'), '>= 2'))
+                'lazy_adam', ratio('torch_sparse'), '>= 3.5'))
     out.append((f'{threads} thread(s): optax.adam train step / lazy_adam',
                 ratio('optax_dense'), '>= 50'))
     out.append((f'{threads} thread(s): lazy_adam / memory-traffic floor',
@@ -125,6 +131,8 @@ def ratios(results: dict) -> list[tuple[str, float | None, str]]:
                 ratio('torch_dense'), '(info)'))
     out.append((f'{threads} thread(s): lazy skip_zero_rows (dense grad) / '
                 'lazy_adam', ratio('lazy_dense_skip'), '(info)'))
+    out.append((f'{threads} thread(s): rowwise_adagrad / lazy_adam',
+                ratio('rowwise_adagrad'), '<= 0.6'))
   for threads in (1, 2):
     lazy = _dlrm_train(results, 'dlrm_lazy', threads)
     if lazy is None:
@@ -138,6 +146,10 @@ def ratios(results: dict) -> list[tuple[str, float | None, str]]:
     out.append((f'DLRM {threads} thread(s): optax.adam / 26-table lazy_adam',
                 _div(_dlrm_train(results, 'dlrm_optax_dense', threads), lazy),
                 '(info)'))
+    out.append((f'DLRM {threads} thread(s): rowwise_adagrad / lazy_adam',
+                _div(_dlrm_train(results, 'dlrm_rowwise_adagrad', threads),
+                     lazy), '<= 0.6'))
+  out += fbgemm_ratios(results)
   for c, what in (('lazy_sparse', 'lazy_adam 1,000,000 x 64'),
                   ('dlrm_lazy', 'DLRM 26-table lazy_adam'),
                   ('dlrm_lazy_concat', 'DLRM concatenated lazy_adam')):
@@ -163,6 +175,23 @@ def ratios(results: dict) -> list[tuple[str, float | None, str]]:
                 big / small, '<= 1.5'))
   # Informational ratios whose contender did not run are left out.
   return [r for r in out if r[1] is not None or not r[2].startswith('(')]
+
+
+def fbgemm_ratios(results: dict) -> list[tuple[str, float | None, str]]:
+  """FBGEMM's row-wise Adagrad step over `rowwise_adagrad`'s, where both ran."""
+  out = []
+  for threads in (1, 2):
+    for what, fbgemm, lazy, cfg, goal in (
+        ('1,000,000 x 64', 'fbgemm_rowwise_adagrad', 'rowwise_adagrad',
+         dict(threads=threads, sweep='target'), '>= 6'),
+        ('DLRM 26 tables', 'dlrm_fbgemm_rowwise_adagrad',
+         'dlrm_rowwise_adagrad', dict(threads=threads, sweep='dlrm'),
+         '>= 4')):
+      a, b = _train(results, fbgemm, **cfg), _train(results, lazy, **cfg)
+      if a is not None and b is not None:
+        out.append((f'{what}, {threads} thread(s): FBGEMM row-wise Adagrad '
+                    f'/ rowwise_adagrad ({a:.3g} / {b:.3g} ms)', a / b, goal))
+  return out
 
 
 def _met(value: float | None, goal: str) -> str:

@@ -12,8 +12,8 @@ the configuration's ids, single-threaded, taking the faster of numpy
     (ids + 3 * unique) * row_bytes / gather_bandwidth
         + 3 * unique * row_bytes / scatter_bandwidth
 
-Run by `run.py` as `python3 benchmarks/floor.py '<config json>'`; prints one
-JSON object.
+Run by `benchmarks/run.py` as `python3 -m benchmarks.harness.floor '<config
+json>'` (from the repository root); prints one JSON object.
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import json
 import sys
 import time
 
-from contenders import make_batches
 import numpy as np
+
+from benchmarks.common import make_batches
 
 
 def _median_time(fn, batches, repeats: int) -> float:

@@ -1,12 +1,12 @@
 """Where a lazy_adam train step spends its time: compiled HLO, op counts, flags.
 
-    python3 benchmarks/profile_step.py                 # both steps, as measured
-    python3 benchmarks/profile_step.py --variants all  # plus XLA_FLAGS variants
-    python3 benchmarks/profile_step.py --rows 10000 --cap 10000   # small, fast
+    python3 -m benchmarks.experiments.profile_step    # the steps, as measured
+    python3 -m benchmarks.experiments.profile_step --variants all  # + XLA_FLAGS
+    python3 -m benchmarks.experiments.profile_step --rows 10000 --cap 10000
 
-For the lazy_adam step of the target configuration (`contenders.py`'s
+For the lazy_adam step of the target configuration (`harness/contenders.py`'s
 `lazy_sparse`: 1,000,000 x 64 table, 4,096 Zipf ids, jit, donated) and the
-26-table DLRM step (`dlrm.py`'s `dlrm_lazy`), this script
+26-table DLRM step (`harness/dlrm.py`'s `dlrm_lazy`), this module
 
 - writes the optimized HLO (`jax.jit(f).lower(...).compile().as_text()`) to
   `OUT/<step>.hlo.txt`;
@@ -19,7 +19,7 @@ For the lazy_adam step of the target configuration (`contenders.py`'s
 
 Everything goes to `OUT/profile.json` and `OUT/profile.md` (default
 `benchmarks/results/tmp_profile/`, not committed) and to the terminal.
-Record findings in benchmarks/README.md.
+Record findings in benchmarks/HISTORY.md.
 """
 
 from __future__ import annotations
@@ -33,10 +33,14 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+import numpy as np
 
-import numpy as np  # noqa: E402
+from benchmarks.common import DLRM_DEFAULTS
+from benchmarks.harness import contenders
+from benchmarks.harness import dlrm
+
+RESULTS = os.path.join(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__))), 'results')
 
 # XLA_FLAGS variants worth trying on the CPU backend (name -> flags).
 VARIANTS = {
@@ -86,8 +90,6 @@ def count_ops(hlo: str) -> dict:
 
 def _steps(args) -> dict:
   """name -> (jitted step, params, state, batches) makers."""
-  import contenders  # pylint: disable=g-import-not-at-top
-  import dlrm  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 
   def target():
@@ -99,11 +101,11 @@ def _steps(args) -> dict:
     return step, params, s.tx.init(params), s.batches
 
   def dlrm_step():
-    cfg = dict(dlrm.DEFAULTS, contender='dlrm_lazy', cap=args.cap, pool=4)
+    cfg = dict(DLRM_DEFAULTS, contender='dlrm_lazy', cap=args.cap, pool=4)
     return dlrm.jax_setup(cfg)
 
   def dlrm_concat():
-    cfg = dict(dlrm.DEFAULTS, contender='dlrm_lazy_concat', cap=args.cap,
+    cfg = dict(DLRM_DEFAULTS, contender='dlrm_lazy_concat', cap=args.cap,
                pool=4)
     return dlrm.jax_setup(cfg)
 
@@ -182,7 +184,7 @@ def _variant(args, name: str, flags: str) -> dict:
   env = dict(os.environ)
   env.setdefault('JAX_PLATFORMS', 'cpu')
   env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '') + ' ' + flags).strip()
-  cmd = [sys.executable, os.path.abspath(__file__), '--child',
+  cmd = [sys.executable, '-m', 'benchmarks.experiments.profile_step', '--child',
          '--rows', str(args.rows), '--cap', str(args.cap), '--steps',
          str(args.steps), '--warmup', str(args.warmup), '--out', args.out]
   if args.only:
@@ -256,8 +258,7 @@ def main() -> None:
   parser.add_argument('--variants', default='',
                       help="comma-separated XLA_FLAGS variants, or 'all': "
                       + ', '.join(VARIANTS))
-  parser.add_argument('--out', default=os.path.join(HERE, 'results',
-                                                    'tmp_profile'))
+  parser.add_argument('--out', default=os.path.join(RESULTS, 'tmp_profile'))
   parser.add_argument('--child', action='store_true', help=argparse.SUPPRESS)
   args = parser.parse_args()
   os.environ.setdefault('JAX_PLATFORMS', 'cpu')

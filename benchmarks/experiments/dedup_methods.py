@@ -1,14 +1,15 @@
 """A/B of the deduplication methods inside whole train steps, interleaved.
 
-    python3 benchmarks/dedup_methods.py                    # both steps
-    taskset -c 0 python3 benchmarks/dedup_methods.py --step dlrm_lazy
-    python3 benchmarks/dedup_methods.py --methods search,packed --rounds 10
+    python3 -m benchmarks.experiments.dedup_methods          # both steps
+    taskset -c 0 python3 -m benchmarks.experiments.dedup_methods \
+        --step dlrm_lazy
+    python3 -m benchmarks.experiments.dedup_methods --methods search,packed
 
 `lazy_optax._src.dedup.METHOD` picks how each id finds its slot: 'packed'
 (one uint32 sort of `id << bits | position`, no loop), 'search' (sort +
 `searchsorted(method='scan')`) or 'auto' (packed up to 2,048 ids, the
 library's default). For each method the step (the target's `lazy_sparse`:
-1,000,000 x 64, 4,096 Zipf ids; or `dlrm.py`'s 26-table `dlrm_lazy`) is
+1,000,000 x 64, 4,096 Zipf ids; or `harness/dlrm.py`'s 26-table `dlrm_lazy`) is
 traced and compiled once, then all methods are timed in turn, round after
 round, so that the two sides of each comparison are measured seconds apart.
 Prints trace and compile times and the median and minimum step times.
@@ -19,19 +20,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))
+import numpy as np
 
-import numpy as np  # noqa: E402
+from benchmarks.common import DLRM_DEFAULTS
+from benchmarks.harness import contenders
+from benchmarks.harness import dlrm
 
 
 def _setup(step_name: str):
-  import contenders  # pylint: disable=g-import-not-at-top
-  import dlrm  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
 
   if step_name == 'target':
@@ -41,7 +39,7 @@ def _setup(step_name: str):
     params = s.fresh_params()
     return (jax.jit(s.train_step, donate_argnums=(0, 1)), params,
             s.tx.init(params), s.batches)
-  return dlrm.jax_setup(dict(dlrm.DEFAULTS, contender=step_name, pool=8))
+  return dlrm.jax_setup(dict(DLRM_DEFAULTS, contender=step_name, pool=8))
 
 
 def main() -> None:

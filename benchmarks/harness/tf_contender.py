@@ -1,10 +1,11 @@
 """TensorFlow Addons' `LazyAdam` on the target configuration, in this process.
 
-TensorFlow 2.15 needs numpy < 2, so this script runs in an interpreter of
+TensorFlow 2.15 needs numpy < 2, so this module runs in an interpreter of
 its own (see benchmarks/README.md for the two commands that make it);
-`run.py --tf-python PATH` starts it, pinned like every contender:
+`benchmarks/run.py --tf-python PATH` starts it from the repository root,
+pinned like every contender:
 
-    /work/tfenv/bin/python benchmarks/tf_contender.py '{"rows": 1000000, ...}'
+    /work/venvs/tf/bin/python -m benchmarks.harness.tf_contender '{...}'
 
 The model and the ids are the lazy_optax target's (`contenders.py`): a
 `[rows, row]` float32 table and a `[row]` weight, `loss = mean((table[ids] @
@@ -24,13 +25,14 @@ import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
 
-from contenders import _peak_rss_mb  # noqa: E402
-from contenders import _rss_mb  # noqa: E402
-from contenders import _time_loop  # noqa: E402
-from contenders import ids_digest  # noqa: E402
-from contenders import LR  # noqa: E402
-from contenders import make_batches  # noqa: E402
-import numpy as np  # noqa: E402
+import numpy as np
+
+from benchmarks.common import ids_digest
+from benchmarks.common import LR
+from benchmarks.common import make_batches
+from benchmarks.common import peak_rss_mb
+from benchmarks.common import rss_mb
+from benchmarks.common import time_loop
 
 
 def run(cfg: dict) -> dict:
@@ -45,7 +47,7 @@ def run(cfg: dict) -> dict:
   np_batches = make_batches(cfg)
   batches = [tf.constant(b) for b in np_batches]
   rng = np.random.default_rng(1)
-  rss_base = _rss_mb()
+  rss_base = rss_mb()
   result: dict = {'tf_version': tf.__version__,
                   'tfa_version': tfa.__version__,
                   'ids_digest': ids_digest(np_batches)}
@@ -76,7 +78,7 @@ def run(cfg: dict) -> dict:
   def run_train(k):
     train_step(batches[k]).numpy()
 
-  result['train'] = _time_loop(run_train, len(batches), cfg)
+  result['train'] = time_loop(run_train, len(batches), cfg)
   del table, w, opt
   if not cfg.get('opt', True):
     result['rss_base_mb'] = rss_base
@@ -101,7 +103,7 @@ def run(cfg: dict) -> dict:
     g, g_w = grads_pool[k % len(grads_pool)]
     opt_step(g.indices, g.values, g_w).numpy()
 
-  result['opt'] = _time_loop(run_opt, len(grads_pool), cfg)
+  result['opt'] = time_loop(run_opt, len(grads_pool), cfg)
   result['rss_base_mb'] = rss_base
   return result
 
@@ -116,7 +118,7 @@ def main() -> None:
                                  f'{sys.executable} ({e})'}))
     return
   result = run(cfg)
-  result['peak_rss_mb'] = _peak_rss_mb()
+  result['peak_rss_mb'] = peak_rss_mb()
   result['cpus'] = sorted(os.sched_getaffinity(0))
   print(json.dumps(result))
 

@@ -1,6 +1,6 @@
 """What the id code of `SparseRows` costs in the target train step.
 
-    python3 benchmarks/id_code_overhead.py [--threads 1]
+    python3 -m benchmarks.experiments.id_code_overhead [--threads 1]
 
 A `SparseRows` built by lazy_optax keeps its ids as they are; the id code is
 made only when the gradient tree is flattened (a `jax.tree.map`, a `lax.cond`,
@@ -28,12 +28,14 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=200)
   args = parser.parse_args()
   os.environ['XLA_FLAGS'] = (
-      '--xla_cpu_multi_thread_eigen=' + ('true' if args.threads > 1 else 'false')
+      '--xla_cpu_multi_thread_eigen='
+      + ('true' if args.threads > 1 else 'false')
       + f' intra_op_parallelism_threads={args.threads}')
 
   import jax
   import jax.numpy as jnp
   import numpy as np
+
   import lazy_optax
 
   rng = np.random.default_rng(0)

@@ -1,0 +1,116 @@
+"""Makes `fbgemm_rowwise_adagrad.npz`: FBGEMM's row-wise Adagrad, step by step.
+
+Run it with an interpreter that has FBGEMM (`fbgemm-gpu-cpu` 1.9.0 needs
+`torch==2.14.1`; see benchmarks/README.md), from the repository root:
+
+    /work/venvs/fbgemm/bin/python tests/data/make_fbgemm_fixture.py
+
+A float32 table of `rows x row` goes through `steps` train steps of FBGEMM's
+CPU table-batched embedding (`SplitTableBatchedEmbeddingBagsCodegen` on the
+host, `EmbOptimType.EXACT_ROWWISE_ADAGRAD`, weight decay 0, one row per id):
+each step looks up `ids` ids and back-propagates a given gradient row per id,
+and FBGEMM updates the table inside `backward`. The ids repeat within a step
+(FBGEMM sums duplicates), a quarter of the rows is never looked up, some rows
+first appear in a late step, and one row's gradients are tiny (1e-7), so
+that `eps` sits where it matters. The file holds the inputs (`table0`, `ids`
+`[steps, ids]`, `grads` `[steps, ids, row]`, `learning_rate`, `eps`) and
+FBGEMM's outputs after every step (`tables` `[steps, rows, row]`,
+`accumulators` `[steps, rows]`), plus the versions that made them.
+`tests/test_fbgemm_parity.py` replays the inputs through
+`lazy_optax.rowwise_adagrad` and compares.
+
+Only numpy is imported at module level: pytest imports this file for its
+doctests in the main environment, where torch is another version.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(HERE, 'fbgemm_rowwise_adagrad.npz')
+
+
+def inputs(seed: int, rows: int, row: int, ids: int, steps: int) -> dict:
+  """The table, ids and gradient rows fed to FBGEMM (numpy, float32)."""
+  rng = np.random.default_rng(seed)
+  table0 = (rng.normal(size=(rows, row)) * 0.1).astype(np.float32)
+  touched = rows - rows // 4            # rows >= touched are never looked up
+  late = max(1, touched // 8)           # rows [0, late) only from step steps//2
+  tiny = touched - 1                    # this row's gradients are 1e-7
+  id_steps, grad_steps = [], []
+  for s in range(steps):
+    low = 0 if s >= steps // 2 else late
+    # Half the ids from a few hot rows (many duplicates), half spread out.
+    hot = rng.integers(low, low + 4, ids // 2)
+    cold = rng.integers(low, touched, ids - ids // 2)
+    step_ids = rng.permutation(np.concatenate([hot, cold])).astype(np.int32)
+    step_ids[0] = tiny
+    g = rng.normal(size=(ids, row)).astype(np.float32)
+    g[step_ids == tiny] *= np.float32(1e-7)
+    id_steps.append(step_ids)
+    grad_steps.append(g)
+  return {'table0': table0, 'ids': np.stack(id_steps),
+          'grads': np.stack(grad_steps)}
+
+
+def run_fbgemm(data: dict, learning_rate: float, eps: float) -> dict:
+  """FBGEMM's tables and accumulators after each step of `data`."""
+  # pylint: disable=g-import-not-at-top
+  import fbgemm_gpu
+  from fbgemm_gpu import split_embedding_configs as configs
+  from fbgemm_gpu import split_table_batched_embeddings_ops_common as ops
+  from fbgemm_gpu import split_table_batched_embeddings_ops_training as train
+  import torch
+
+
+  rows, row = data['table0'].shape
+  tbe = train.SplitTableBatchedEmbeddingBagsCodegen(
+      [(rows, row, ops.EmbeddingLocation.HOST,
+        ops.ComputeDevice.CPU)],
+      optimizer=configs.EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+      learning_rate=learning_rate, eps=eps, weight_decay=0.0,
+      pooling_mode=ops.PoolingMode.NONE, device='cpu')
+  with torch.no_grad():
+    tbe.split_embedding_weights()[0].copy_(torch.from_numpy(data['table0']))
+  tables, accumulators = [], []
+  for step_ids, g in zip(data['ids'], data['grads']):
+    indices = torch.from_numpy(step_ids.astype(np.int64))
+    offsets = torch.arange(indices.numel() + 1, dtype=torch.int64)
+    out = tbe(indices, offsets)                   # [ids, row]
+    out.backward(torch.from_numpy(g))             # the table updates here
+    tables.append(tbe.split_embedding_weights()[0].detach().numpy().copy())
+    accumulators.append(
+        tbe.split_optimizer_states()[0][0].detach().numpy().copy())
+  return {'tables': np.stack(tables), 'accumulators': np.stack(accumulators),
+          'fbgemm_version': np.array(getattr(fbgemm_gpu, '__version__', '?')),
+          'torch_version': np.array(torch.__version__)}
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument('--out', default=DEFAULT_OUT)
+  parser.add_argument('--seed', type=int, default=0)
+  parser.add_argument('--rows', type=int, default=48)
+  parser.add_argument('--row', type=int, default=8,
+                      help='floats a row (FBGEMM: a multiple of 4)')
+  parser.add_argument('--ids', type=int, default=32)
+  parser.add_argument('--steps', type=int, default=6)
+  parser.add_argument('--learning-rate', type=float, default=0.05)
+  parser.add_argument('--eps', type=float, default=1e-8)
+  args = parser.parse_args()
+  data = inputs(args.seed, args.rows, args.row, args.ids, args.steps)
+  data.update(run_fbgemm(data, args.learning_rate, args.eps))
+  data['learning_rate'] = np.float32(args.learning_rate)
+  data['eps'] = np.float32(args.eps)
+  np.savez_compressed(args.out, **data)
+  print(f'wrote {args.out}: {args.steps} steps of {args.ids} ids into '
+        f'{args.rows} x {args.row}; FBGEMM {data["fbgemm_version"]}, torch '
+        f'{data["torch_version"]}')
+
+
+if __name__ == '__main__':
+  main()
