@@ -207,49 +207,87 @@ inline uint32_t Bucket(int32_t id, uint32_t bits) {
   return (static_cast<uint32_t>(id) * 0x9E3779B1u) >> (32 - bits);
 }
 
+// Sorts `keys` (id << 32 | slot, ids in [0, 2^31)) by id: a stable LSD radix
+// sort on the id's bits, 11 at a time, as many passes as `num_rows` needs.
+void SortById(std::vector<uint64_t>& keys, std::vector<uint64_t>& scratch,
+              int64_t num_rows) {
+  constexpr int kBits = 11;
+  constexpr int64_t kBuckets = int64_t{1} << kBits;
+  int id_bits = 1;
+  while ((int64_t{1} << id_bits) < num_rows) ++id_bits;
+  scratch.resize(keys.size());
+  int64_t count[kBuckets];
+  for (int shift = 32; shift < 32 + id_bits; shift += kBits) {
+    std::fill(count, count + kBuckets, 0);
+    for (uint64_t key : keys) ++count[(key >> shift) & (kBuckets - 1)];
+    int64_t total = 0;
+    for (int64_t b = 0; b < kBuckets; ++b) {
+      const int64_t c = count[b];
+      count[b] = total;
+      total += c;
+    }
+    for (uint64_t key : keys) {
+      scratch[count[(key >> shift) & (kBuckets - 1)]++] = key;
+    }
+    keys.swap(scratch);
+  }
+}
+
 template <typename S>
 void SumRows(const int32_t* ids, const typename S::T* values, int64_t n,
              int64_t width, int64_t num_rows, int32_t* unique,
              typename S::T* summed) {
+  // Scratch kept per thread between calls (no allocation in the step).
+  thread_local std::vector<int32_t> table, slot_of, rank;
+  thread_local std::vector<uint64_t> keys, scratch;
+  thread_local std::vector<float> acc;
   const uint32_t bits = HashBits(n);
   const uint32_t mask = (uint32_t{1} << bits) - 1;
-  // Bucket -> index into `distinct` (or -1); then the rank of each id.
-  std::vector<int32_t> table(size_t{1} << bits, -1);
-  std::vector<int32_t> distinct;
-  std::vector<int32_t> slot_of(n, -1);
-  distinct.reserve(n);
+  // Bucket -> (first position of the id, as its slot); then each position's
+  // slot, in order of first appearance.
+  table.assign(size_t{1} << bits, -1);
+  slot_of.assign(n, -1);
+  keys.clear();
   for (int64_t i = 0; i < n; ++i) {
     const int32_t r = ids[i];
     if (!Named(r, num_rows)) continue;
     uint32_t b = Bucket(r, bits);
-    while (table[b] >= 0 && distinct[table[b]] != r) b = (b + 1) & mask;
+    while (table[b] >= 0 &&
+           static_cast<int32_t>(keys[table[b]] >> 32) != r) {
+      b = (b + 1) & mask;
+    }
     if (table[b] < 0) {
-      table[b] = static_cast<int32_t>(distinct.size());
-      distinct.push_back(r);
+      table[b] = static_cast<int32_t>(keys.size());
+      keys.push_back((static_cast<uint64_t>(r) << 32) | keys.size());
     }
     slot_of[i] = table[b];
   }
-  const int64_t k = static_cast<int64_t>(distinct.size());
-  std::vector<int32_t> order(k);
-  for (int64_t j = 0; j < k; ++j) order[j] = static_cast<int32_t>(j);
-  std::sort(order.begin(), order.end(),
-            [&](int32_t a, int32_t b) { return distinct[a] < distinct[b]; });
-  std::vector<int32_t> rank(k);
+  const int64_t k = static_cast<int64_t>(keys.size());
+  SortById(keys, scratch, num_rows);
+  rank.resize(k);
   for (int64_t j = 0; j < k; ++j) {
-    rank[order[j]] = static_cast<int32_t>(j);
-    unique[j] = distinct[order[j]];
+    unique[j] = static_cast<int32_t>(keys[j] >> 32);
+    rank[keys[j] & 0xffffffffu] = static_cast<int32_t>(j);
   }
   for (int64_t j = k; j < n; ++j) unique[j] = static_cast<int32_t>(num_rows);
   // Sums in float32, rounded once at the end for 16-bit values.
-  thread_local std::vector<float> acc;
-  acc.assign(static_cast<size_t>(k * width), 0.0f);
+  float* out;
+  if constexpr (std::is_same_v<S, F32>) {
+    out = summed;
+  } else {
+    acc.resize(static_cast<size_t>(k * width));
+    out = acc.data();
+  }
+  std::memset(out, 0, static_cast<size_t>(k * width) * sizeof(float));
   for (int64_t i = 0; i < n; ++i) {
     if (slot_of[i] < 0) continue;
-    float* a = acc.data() + static_cast<int64_t>(rank[slot_of[i]]) * width;
-    const typename S::T* v = values + i * width;
+    float* __restrict__ a = out + static_cast<int64_t>(rank[slot_of[i]]) * width;
+    const typename S::T* __restrict__ v = values + i * width;
     for (int64_t c = 0; c < width; ++c) a[c] += S::Load(v + c);
   }
-  for (int64_t e = 0; e < k * width; ++e) S::Store(summed + e, acc[e]);
+  if constexpr (!std::is_same_v<S, F32>) {
+    for (int64_t e = 0; e < k * width; ++e) S::Store(summed + e, acc[e]);
+  }
   std::memset(static_cast<void*>(summed + k * width), 0,
               static_cast<size_t>((n - k) * width) * sizeof(typename S::T));
 }
