@@ -25,6 +25,8 @@ import zlib
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import cpu_kernels
+from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.apply import apply_updates
 from lazy_optax._src.labels import path_name
@@ -94,6 +96,14 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(x), out, x.astype(dtype))
 
 
+def _kernel_rounds(param: Any, ids: Any, key: jax.Array) -> bool:
+  """Whether the CPU kernel rounds this leaf: bfloat16, threefry, one CPU."""
+  return (jnp.dtype(param.dtype) == jnp.dtype(jnp.bfloat16)
+          and jnp.dtype(ids.dtype) == jnp.dtype(jnp.int32)
+          and str(jax.random.key_impl(key)) == 'threefry2x32'
+          and row_ops.on_one_cpu(param))
+
+
 def _leaf_key(key: jax.Array, step: Any, path: str) -> jax.Array:
   key = jax.random.fold_in(key, jnp.asarray(step, jnp.uint32))
   return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
@@ -141,12 +151,24 @@ def _add_rounded(path: Any, param: Any, update: Any, key: jax.Array,
           f'Parameter {name} has shape {tuple(param.shape)} but its '
           f'SparseRows update is for shape {update.shape}.')
     unique = deduplicate(update)  # unused slots hold id num_rows: dropped
-    rows = param.at[unique.ids].get(mode='fill', fill_value=0,
-                                    **_sharding.gather_kwargs(param))
-    exact = rows.astype(jnp.float32) + unique.values.astype(jnp.float32)
-    new_rows = _round_rows(exact, unique.ids, leaf_key, dtype)
-    return param.at[unique.ids].set(new_rows, mode='drop',
-                                    **_sharding.scatter_kwargs(param))
+    values = unique.values.astype(jnp.float32)
+
+    def with_xla(param, ids, values):
+      rows = param.at[ids].get(mode='fill', fill_value=0,
+                               **_sharding.gather_kwargs(param))
+      new_rows = _round_rows(rows.astype(jnp.float32) + values, ids,
+                             leaf_key, dtype)
+      return param.at[ids].set(new_rows, mode='drop',
+                               **_sharding.scatter_kwargs(param))
+
+    if _kernel_rounds(param, unique.ids, leaf_key):
+      # The C++ kernel draws the same bits (JAX's threefry) in one pass.
+      return jax.lax.platform_dependent(
+          param, unique.ids, values,
+          cpu=lambda p, i, v: cpu_kernels.add_stochastic(
+              p, i, v, jax.random.key_data(leaf_key)),
+          default=with_xla)
+    return with_xla(param, unique.ids, values)
   update = jnp.asarray(update)
   if tuple(update.shape) != tuple(param.shape):
     raise ValueError(

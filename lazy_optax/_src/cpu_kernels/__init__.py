@@ -26,7 +26,8 @@ from lazy_optax._src.cpu_kernels import build
 
 ENV_SWITCH = 'LAZY_OPTAX_CPU_KERNELS'
 TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
-           'LazyOptaxScatter', 'LazyOptaxScatterAdd', 'LazyOptaxAdam',
+           'LazyOptaxScatter', 'LazyOptaxScatterAdd', 'LazyOptaxAddStochastic',
+           'LazyOptaxAdam',
            'LazyOptaxAmsgrad',
            'LazyOptaxRowwiseAdagrad', 'LazyOptaxPartialRowwiseAdam',
            'LazyOptaxFtrl')
@@ -163,6 +164,17 @@ def scatter_add(table: jax.Array, ids: jax.Array, rows: jax.Array
   """`table` with `rows` added at `ids` (in slot order; others dropped)."""
   call = _call('LazyOptaxScatterAdd', _like(table), {0: 0})
   return call(table, ids.astype(jnp.int32), rows.astype(table.dtype))
+
+
+def add_stochastic(table: jax.Array, ids: jax.Array, rows: jax.Array,
+                   key_data: jax.Array) -> jax.Array:
+  """bfloat16 `table` with float32 `rows` added at distinct `ids`, each row
+  rounded stochastically with the bits of `fold_in(key, row id)`, as
+  `apply_updates_stochastic` draws them (`key_data`: a threefry key's two
+  uint32 words)."""
+  call = _call('LazyOptaxAddStochastic', _like(table), {0: 0})
+  return call(table, ids.astype(jnp.int32), rows.astype(jnp.float32),
+              key_data.astype(jnp.uint32))
 
 
 def _rule(name: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
