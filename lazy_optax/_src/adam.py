@@ -27,7 +27,6 @@ import numpy as np
 import optax
 
 from lazy_optax._src import cpu_kernels
-from lazy_optax._src import dedup
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import check_sparse_leaf
 from lazy_optax._src.lazy import lazy_with_rule
@@ -35,6 +34,7 @@ from lazy_optax._src.numerics import compute_dtype
 from lazy_optax._src.numerics import one_minus_power
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import is_sparse_rows
+from lazy_optax._src.sparse_rows import prepare
 from lazy_optax._src.sparse_rows import SparseRows
 
 
@@ -141,7 +141,7 @@ def _with_cpu_kernel(
     for i in picks:
       grad, name = flat[i][1], path_name(flat[i][0])
       check_sparse_leaf(grad, param_leaves[i], name)
-      ids, values, num_rows = dedup.prepare(grad, f'parameter {name}')
+      ids, values, num_rows = prepare(grad, f'parameter {name}')
       n, row_shape = values.shape[0], grad.row_shape
       width = int(np.prod(row_shape, dtype=np.int64))
       mu, nu, unique_ids, steps = cpu_kernels.adam_rows(

@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazy_optax._src import grads
 from lazy_optax._src import validate
+from lazy_optax._src.numerics import broadcast_rows
+from lazy_optax._src.row_reads import active_recorder
+from lazy_optax._src.row_reads import read_rows
 
 _MODES = ('sum', 'mean', 'max')
 
@@ -92,7 +94,7 @@ def check_in_range(ids: jax.Array, active: Optional[jax.Array],
 def _gather(table: Any, ids: jax.Array, active: Optional[jax.Array],
             dtype: Any, caller: str, path: Optional[str]) -> jax.Array:
   """Reads `table[ids]` under the one rule for ids; see the module doc."""
-  recorder = grads.active_recorder()
+  recorder = active_recorder()
   if recorder is not None:
     path = recorder.name_of(table) or path
   where = where_of(caller, path)
@@ -112,9 +114,9 @@ def plain_rows(table: Any, ids: jax.Array, active: Optional[jax.Array],
 
   Inactive slots (padding, masked) read their rows but pass no gradient.
   """
-  rows = grads.read_rows(table, ids)
+  rows = read_rows(table, ids)
   if active is not None:
-    rows = jnp.where(grads.per_row(active, rows), rows,
+    rows = jnp.where(broadcast_rows(active, rows), rows,
                      jax.lax.stop_gradient(rows))
   return rows if dtype is None else rows.astype(dtype)
 
@@ -237,7 +239,7 @@ def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
           f'shape {tuple(ids.shape)}, got '
           f'{weights.dtype}{list(weights.shape)}.')
   rows = _gather(table, ids, member, dtype, caller, path)     # [B, L, ...]
-  slot = grads.per_row(member, rows)
+  slot = broadcast_rows(member, rows)
   if mode == 'max':
     lowest = (-jnp.inf if jnp.issubdtype(rows.dtype, jnp.inexact)
               else jnp.iinfo(rows.dtype).min)
@@ -250,7 +252,7 @@ def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
     weights = member.astype(rows.dtype)
   else:
     weights = jnp.where(member, weights.astype(rows.dtype), 0)
-  weights = grads.per_row(weights, rows)
+  weights = broadcast_rows(weights, rows)
   # where, not a product alone: a masked slot's row never reaches the bag
   # (an inf or NaN there would otherwise make a NaN sum).
   total = jnp.sum(jnp.where(slot, rows * weights, 0), axis=1)

@@ -517,8 +517,60 @@ def deduplicate(grad: SparseRows,
     (Array([1, 3, 5], dtype=int32), Array([1., 2., 0.], dtype=float32))
   """
   where = where or 'a SparseRows'
-  ids, values = dedup.unique_rows(*dedup.prepare(grad, where))
+  ids, values = dedup.unique_rows(*prepare(grad, where))
   return UniqueRows(ids, values)
+
+
+def prepare(grad: SparseRows, where: str) -> tuple[jax.Array, jax.Array, int]:
+  """A `SparseRows`'s `(safe ids, values, num_rows)`, checked.
+
+  Under an Explicit mesh the global batch is gathered first (see sharding).
+
+  Args:
+    grad: a `SparseRows`.
+    where: what `grad` is, for messages.
+
+  Returns:
+    `(ids, values, num_rows)` with every id that must touch no row set to
+    `num_rows`.
+  """
+  grad.check(where)
+  ids = _sharding.replicate_if_explicit(grad.safe_ids(where))
+  if ids.shape[0] == 0:
+    return ids, grad.values, grad.num_rows
+  values = _sharding.replicate_if_explicit(grad.values)
+  return ids, values, grad.num_rows
+
+
+def distinct_rows(grad: SparseRows, where: str) -> tuple[jax.Array, jax.Array]:
+  """A `SparseRows`'s distinct ids and summed values, checked.
+
+  Rows known to be distinct are not sorted again: the library's own updates,
+  and the leaves of a flattened `SparseRows` (flattening sums repeated ids
+  and leaves the row ids increasing) as long as their row ids still increase
+  (tree arithmetic that concatenated or permuted leaves falls back to
+  `unique_rows`, under `lax.cond`). Unused slots hold zeros either way.
+
+  Args:
+    grad: a `SparseRows`.
+    where: what `grad` is, for messages.
+
+  Returns:
+    `(ids, values)` as `unique_rows` returns them.
+  """
+  ids, values, num_rows = prepare(grad, where)
+  if not grad.is_distinct or ids.shape[0] == 0:
+    return dedup.unique_rows(ids, values, num_rows)
+
+  def as_they_are(ids, values):
+    keep = (ids < num_rows).reshape(ids.shape + (1,) * (values.ndim - 1))
+    return ids, jnp.where(keep, values, jnp.zeros_like(values))
+
+  if grad.has_trusted_ids:
+    return as_they_are(ids, values)
+  return jax.lax.cond(dedup.increasing(ids, num_rows), as_they_are,
+                      lambda i, v: dedup.unique_rows(i, v, num_rows), ids,
+                      values)
 
 
 def _is_array(x: Any) -> bool:

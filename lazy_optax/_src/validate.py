@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -168,7 +167,3 @@ def floating(dtype: Any, where: str, what: str = 'gradients') -> None:
     raise TypeError(f'{where} has dtype {dtype}; {what} must be floating '
                     'point.')
 
-
-def is_concrete(x: Any) -> bool:
-  """Whether `x` holds values (not traced by a JAX transformation)."""
-  return not isinstance(x, jax.core.Tracer)
