@@ -119,20 +119,20 @@ def assert_state_shardings_follow_rows(tx, slot_names):
   rows = NamedSharding(mesh, P('rows', None))
   params = {'table': jax.device_put(jnp.zeros((6, 4)), rows),
             'bias': jax.device_put(jnp.zeros(4), NamedSharding(mesh, P()))}
-  shardings = lazy_optax.state_shardings(tx, params)
-  state = lazy_optax.init_sharded(tx, params)
+  shardings = lazy_optax.sharding.state_shardings(tx, params)
+  state = lazy_optax.sharding.init_sharded(tx, params)
   assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
   for name in slot_names:
-    leaf = lazy_optax.get_slot(state, 'table', name)
-    spec = lazy_optax.get_slot(shardings, 'table', name).spec
+    leaf = lazy_optax.compat.get_slot(state, 'table', name)
+    spec = lazy_optax.compat.get_slot(shardings, 'table', name).spec
     assert spec[0] == 'rows', (name, spec)
     assert leaf.sharding.spec[0] == 'rows', (name, leaf.sharding)
-  assert lazy_optax.global_step(state).sharding.spec == P()
+  assert lazy_optax.compat.global_step(state).sharding.spec == P()
   return state
 
 
 def count_of(state):
-  return int(lazy_optax.global_step(state))
+  return int(lazy_optax.compat.global_step(state))
 
 
 def run_partitioned(table_tx, table, data, num_rows):
@@ -143,7 +143,7 @@ def run_partitioned(table_tx, table, data, num_rows):
   """
   tx = optax.partition(
       {'table': table_tx, 'rest': optax.adam(1e-2)},
-      lazy_optax.path_labels(lambda name: 'table' if name == 'table'
+      lazy_optax.tree.path_labels(lambda name: 'table' if name == 'table'
                              else 'rest'))
   params = {'table': jnp.asarray(table, jnp.float32),
             'w': jnp.zeros(jnp.shape(table)[1:])}

@@ -124,13 +124,13 @@ def check_optimizer(name, directory):
     return params, state
 
   params = fresh()
-  state = lazy_optax.init_sharded(tx, params)
+  state = lazy_optax.sharding.init_sharded(tx, params)
   for slot in slots:
-    leaf = lazy_optax.get_slot(state, 'table', slot)
+    leaf = lazy_optax.compat.get_slot(state, 'table', slot)
     assert leaf.sharding.spec[0] == 'rows', (slot, leaf.sharding)
   params, state = go(params, state, data)
   for slot in slots:
-    leaf = lazy_optax.get_slot(state, 'table', slot)
+    leaf = lazy_optax.compat.get_slot(state, 'table', slot)
     assert leaf.sharding.spec[0] == 'rows', (slot, leaf.sharding)
   for a, b in zip(jax.tree.leaves((params, state)),
                   jax.tree.leaves((params1, state1))):
@@ -144,7 +144,7 @@ def check_optimizer(name, directory):
 
   # orbax: save after half the steps, restore into sharded targets, finish.
   half = STEPS // 2
-  p, s = go(fresh(), lazy_optax.init_sharded(tx, fresh()), data[:half])
+  p, s = go(fresh(), lazy_optax.sharding.init_sharded(tx, fresh()), data[:half])
   path = os.path.join(directory, f'sharded_{name}')
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path, {'params': p, 'opt_state': s})
@@ -155,12 +155,12 @@ def check_optimizer(name, directory):
   state_abs = jax.tree.map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
       jax.eval_shape(tx.init, params_abs),
-      lazy_optax.state_shardings(tx, params_abs))
+      lazy_optax.sharding.state_shardings(tx, params_abs))
   with ocp.StandardCheckpointer() as ckptr:
     restored = ckptr.restore(path, {'params': params_abs,
                                     'opt_state': state_abs})
   for slot in slots:
-    leaf = lazy_optax.get_slot(restored['opt_state'], 'table', slot)
+    leaf = lazy_optax.compat.get_slot(restored['opt_state'], 'table', slot)
     assert leaf.sharding.spec[0] == 'rows', (slot, leaf.sharding)
   resumed = go(restored['params'], restored['opt_state'], data[half:])
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves((params, state))):
@@ -182,7 +182,7 @@ def check_stochastic(directory):
   def apply(params, ids, values, dense):
     updates = {'table': lazy_optax.SparseRows(ids, values, num_rows),
                'other': dense}
-    return lazy_optax.apply_updates_stochastic(params, updates, key=key,
+    return lazy_optax.precision.apply_updates_stochastic(params, updates, key=key,
                                                step=3)
 
   dev0 = jax.devices()[0]

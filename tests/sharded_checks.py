@@ -104,7 +104,7 @@ def check_equivalence(axis_type, tx_name):
   params = {'table': jax.device_put(table, row_sharded),
             'w': jax.device_put(np.zeros(D, np.float32), replicated)}
   tx = make_tx()
-  state = lazy_optax.init_sharded(tx, params)
+  state = lazy_optax.sharding.init_sharded(tx, params)
   mu = optax.tree_utils.tree_get(state, 'mu')['table']
   assert mu.sharding == row_sharded, mu.sharding
   assert optax.tree_utils.tree_get(state, 'count').sharding == replicated
@@ -142,7 +142,7 @@ def check_cross_shard_duplicates(axis_type):
             'w': jax.device_put(np.zeros(D, np.float32),
                                 NamedSharding(mesh, P()))}
   tx = lazy_optax.lazy_adam(0.1)
-  state = lazy_optax.init_sharded(tx, params)
+  state = lazy_optax.sharding.init_sharded(tx, params)
   # Shard 0 holds ids [0..7], shard 1 holds [8..15]; id 41 is on both, with
   # gradients of opposite sign and different size, id 9 only on shard 0.
   ids = np.array([41, 9, 2, 3, 4, 5, 6, 7, 41, 10, 11, 12, 13, 14, 15, 16],
@@ -204,7 +204,7 @@ def compiled_step(axis_type, num_rows, n_ids, row_size=64):
             'w': jax.ShapeDtypeStruct((row_size,), jnp.float32,
                                       sharding=NamedSharding(mesh, P()))}
   tx = lazy_optax.lazy_adam(1e-3)
-  shardings = lazy_optax.state_shardings(tx, params)
+  shardings = lazy_optax.sharding.state_shardings(tx, params)
   state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
       jax.eval_shape(tx.init, params), shardings)
@@ -283,9 +283,9 @@ def check_checkpoint(directory):
     return params, state
 
   params0 = fresh()
-  straight = run(params0, lazy_optax.init_sharded(tx, params0), data)
+  straight = run(params0, lazy_optax.sharding.init_sharded(tx, params0), data)
 
-  params, state = run(fresh(), lazy_optax.init_sharded(tx, fresh()),
+  params, state = run(fresh(), lazy_optax.sharding.init_sharded(tx, fresh()),
                       data[:3])
   path = os.path.join(directory, 'sharded')
   with ocp.StandardCheckpointer() as ckptr:
@@ -299,7 +299,7 @@ def check_checkpoint(directory):
   state_abs = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
       jax.eval_shape(tx.init, params_abs),
-      lazy_optax.state_shardings(tx, params_abs))
+      lazy_optax.sharding.state_shardings(tx, params_abs))
   with ocp.StandardCheckpointer() as ckptr:
     restored = ckptr.restore(path, {'params': params_abs,
                                     'opt_state': state_abs})

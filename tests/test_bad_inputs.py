@@ -57,7 +57,7 @@ def test_out_of_range_ids_eager_name_the_first_bad_id(ids, first, pos):
 
 def test_checked_mode_reports_out_of_range_ids_under_jit():
   params = _params()
-  tx = lazy_optax.with_id_checks(lazy_optax.lazy_adam(0.1))
+  tx = lazy_optax.checks.with_id_checks(lazy_optax.lazy_adam(0.1))
   state = tx.init(params)
 
   @jax.jit
@@ -65,11 +65,11 @@ def test_checked_mode_reports_out_of_range_ids_under_jit():
     updates, state = tx.update(_grads(ids), state, params)
     return lazy_optax.apply_updates(params, updates), state
 
-  run = lazy_optax.checked(step)
+  run = lazy_optax.checks.checked(step)
   good_params, _ = run(params, state, jnp.array([1, 4], jnp.int32))
   assert not np.array_equal(good_params['emb']['table'][1],
                             params['emb']['table'][1])
-  with pytest.raises(lazy_optax.CheckError) as info:
+  with pytest.raises(lazy_optax.checks.CheckError) as info:
     run(params, state, jnp.array([2, 7, 1, -3], jnp.int32))
   message = str(info.value)
   assert 'parameter emb/table' in message
@@ -87,9 +87,9 @@ def test_checked_mode_reports_out_of_range_ids_under_jit():
 def test_check_ids_in_range_outside_jit_raises_at_once():
   grads = {'t': SparseRows.from_unique(jnp.array([0, 5]), jnp.ones((2, 1)), 4)}
   with pytest.raises(ValueError, match=r"parameter t: id 5 at position 1"):
-    lazy_optax.check_ids_in_range(grads)
+    lazy_optax.checks.check_ids_in_range(grads)
   # Id num_rows is the slot that names no row (padding, unused slots).
-  lazy_optax.check_ids_in_range(
+  lazy_optax.checks.check_ids_in_range(
       {'t': SparseRows.from_unique(jnp.array([0, 4]), jnp.ones((2, 1)), 4)})
 
 

@@ -110,7 +110,7 @@ def test_plain_optax_scale_after_a_lazy_transform_scales_the_rows(apply):
 def test_partition_lazy_tables_plain_adamw_for_the_rest(callable_labels):
   batches = _batches(3, 10)
   if callable_labels:
-    labels = lazy_optax.path_labels(
+    labels = lazy_optax.tree.path_labels(
         lambda name: 'lazy' if name.startswith('emb/') else 'dense')
   else:
     labels = {'emb': {'table': 'lazy'}, 'w': 'dense'}
@@ -131,7 +131,7 @@ def test_partition_lazy_tables_plain_adamw_for_the_rest(callable_labels):
 
 def test_path_labels_sees_sparse_rows_as_one_leaf():
   names = []
-  labels = lazy_optax.path_labels(lambda n: names.append(n) or n)
+  labels = lazy_optax.tree.path_labels(lambda n: names.append(n) or n)
   out = labels(_grads(*_batches(4, 1)[0]))
   assert names == ['emb/table', 'w']
   assert out == {'emb': {'table': 'emb/table'}, 'w': 'w'}
@@ -235,8 +235,8 @@ def test_optax_multisteps_with_sparse_rows_says_what_to_use():
 
 def _densify(tree):
   return jax.tree.map(
-      lambda g: g.to_dense() if lazy_optax.is_sparse_rows(g) else g, tree,
-      is_leaf=lazy_optax.is_sparse_rows)
+      lambda g: g.to_dense() if lazy_optax.tree.is_sparse_rows(g) else g, tree,
+      is_leaf=lazy_optax.tree.is_sparse_rows)
 
 
 @pytest.mark.parametrize('how', ['multi_steps', 'dense_recipe'])
@@ -246,7 +246,7 @@ def test_accumulating_k_steps_matches_adam_on_the_mean_gradient(how):
   batches = _batches(12, 6)
   k = 3
   if how == 'multi_steps':
-    tx = lazy_optax.multi_steps(lazy_optax.lazy(optax.adam(0.05)), every_k=k,
+    tx = lazy_optax.wrappers.multi_steps(lazy_optax.lazy(optax.adam(0.05)), every_k=k,
                                 ids_per_step={'emb/table': 8})
     prepare = lambda g: g
   else:
@@ -407,7 +407,7 @@ def test_nnx_optimizer_update():
 
   batches = _batches(20, 6)
   model = Model()
-  labels = lazy_optax.path_labels(lambda n: 'lazy' if n == 'table' else 'dense')
+  labels = lazy_optax.tree.path_labels(lambda n: 'lazy' if n == 'table' else 'dense')
   dense = optax.sgd(0.1)
   opt = nnx.Optimizer(model, optax.partition(
       {'lazy': lazy_optax.lazy_adam(0.01), 'dense': dense}, labels),

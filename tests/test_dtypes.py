@@ -25,7 +25,7 @@ def _batches(seed, steps, num_rows=20, n_ids=8, dim=3):
 
 def _structs(tree):
   return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree,
-                      is_leaf=lazy_optax.is_sparse_rows)
+                      is_leaf=lazy_optax.tree.is_sparse_rows)
 
 
 def _optax_adam_f32_moments():

@@ -32,8 +32,8 @@ def _tx(lr=0.1, lr_power=-0.5, **kw):
 
 
 def _state(state):
-  return (np.asarray(lazy_optax.get_slot(state, 'table', 'accumulator')),
-          np.asarray(lazy_optax.get_slot(state, 'table', 'linear')))
+  return (np.asarray(lazy_optax.compat.get_slot(state, 'table', 'accumulator')),
+          np.asarray(lazy_optax.compat.get_slot(state, 'table', 'linear')))
 
 
 @pytest.mark.parametrize('jit', [False, True])
@@ -159,7 +159,7 @@ def test_in_chain_and_partition():
 def test_slots_shardings_and_checkpoint(tmp_path):
   tx = lazy_optax.ftrl(0.1, l1=0.01, l2_shrinkage=0.1)
   params = {'table': jnp.zeros((NUM_ROWS, D))}
-  assert lazy_optax.get_slot_names(tx.init(params), params) == [
+  assert lazy_optax.compat.get_slot_names(tx.init(params), params) == [
       'accumulator', 'linear']
   assert_state_shardings_follow_rows(tx, ['accumulator', 'linear'])
   data = batches(12, NUM_ROWS, (D,), steps=6, n_ids=12)

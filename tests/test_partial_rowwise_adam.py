@@ -21,8 +21,8 @@ NUM_ROWS, D = 40, 3
 
 
 def _slots(state):
-  return (np.asarray(lazy_optax.get_slot(state, 'table', 'mu')),
-          np.asarray(lazy_optax.get_slot(state, 'table', 'nu')))
+  return (np.asarray(lazy_optax.compat.get_slot(state, 'table', 'mu')),
+          np.asarray(lazy_optax.compat.get_slot(state, 'table', 'nu')))
 
 
 @pytest.mark.parametrize('jit', [False, True])
@@ -134,7 +134,7 @@ def test_inject_hyperparams():
 def test_slots_shardings_and_checkpoint(tmp_path):
   tx = lazy_optax.partial_rowwise_adam(0.05, weight_decay=0.01)
   params = {'table': jnp.zeros((NUM_ROWS, D))}
-  assert lazy_optax.get_slot_names(tx.init(params), params) == ['m', 'v']
+  assert lazy_optax.compat.get_slot_names(tx.init(params), params) == ['m', 'v']
   assert_state_shardings_follow_rows(tx, ['m', 'v'])
   data = batches(11, NUM_ROWS, (D,), steps=6, n_ids=12)
   assert_checkpoint_resumes(tx, data, tmp_path)

@@ -21,7 +21,7 @@ NUM_ROWS, D = 40, 3
 
 
 def _acc(state):
-  return np.asarray(lazy_optax.get_slot(state, 'table', 'sum_of_squares'))
+  return np.asarray(lazy_optax.compat.get_slot(state, 'table', 'sum_of_squares'))
 
 
 @pytest.mark.parametrize('jit', [False, True])
@@ -110,7 +110,7 @@ def test_dtypes():
       lazy_optax.rowwise_adagrad(0.1, accumulator_dtype=jnp.bfloat16), table,
       data)
   assert params['table'].dtype == jnp.float32
-  assert lazy_optax.get_slot(state, 'table', 'sum_of_squares').dtype == (
+  assert lazy_optax.compat.get_slot(state, 'table', 'sum_of_squares').dtype == (
       jnp.bfloat16)
   np.testing.assert_allclose(np.asarray(params['table']), ref.p, atol=2e-2)
   # Scalar and vector parameters: each entry is a row.
@@ -142,7 +142,7 @@ def test_in_chain_and_partition():
   params, state = run_partitioned(lazy_optax.rowwise_adagrad(0.1), table,
                                   data, NUM_ROWS)
   np.testing.assert_allclose(params['table'], ref.p, rtol=1e-5, atol=1e-6)
-  assert lazy_optax.get_slot(state, 'table', 'sum_of_squares').shape == (
+  assert lazy_optax.compat.get_slot(state, 'table', 'sum_of_squares').shape == (
       NUM_ROWS,)
 
 
@@ -169,7 +169,7 @@ def test_slots_shardings_and_checkpoint(tmp_path):
   tx = lazy_optax.rowwise_adagrad(0.1, weight_decay=0.01,
                                   weight_decay_mode='decoupled')
   state = tx.init({'table': jnp.zeros((NUM_ROWS, D))})
-  assert 'sum_of_squares' in lazy_optax.get_slot_names(
+  assert 'sum_of_squares' in lazy_optax.compat.get_slot_names(
       state, {'table': jnp.zeros((NUM_ROWS, D))})
   assert_state_shardings_follow_rows(tx, ['sum_of_squares'])
   data = batches(10, NUM_ROWS, (D,), steps=6, n_ids=12)

@@ -201,7 +201,7 @@ def test_equinox_apply_updates_names_the_lazy_optax_one():
                          ids=['empty', 'another_table'])
 def test_multi_steps_without_the_table_in_ids_per_step_raises(ids_per_step):
   params = {'t': _table(), 'other': jnp.zeros((5, 2))}
-  tx = lazy_optax.multi_steps(lazy_optax.lazy_adam(0.1), 2,
+  tx = lazy_optax.wrappers.multi_steps(lazy_optax.lazy_adam(0.1), 2,
                               ids_per_step=ids_per_step)
   other = (SparseRows(jnp.array([1, 2, 3]), jnp.ones((3, 2)), 5)
            if ids_per_step else jnp.zeros((5, 2)))
@@ -214,7 +214,7 @@ def test_multi_steps_without_the_table_in_ids_per_step_raises(ids_per_step):
 def test_multi_steps_moves_only_rows_of_the_window():
   """With the table named, rows absent from a window never move."""
   params = {'t': _table()}
-  tx = lazy_optax.multi_steps(lazy_optax.lazy_adam(0.1), 2,
+  tx = lazy_optax.wrappers.multi_steps(lazy_optax.lazy_adam(0.1), 2,
                               ids_per_step={'t': 7})
   state = tx.init(params)
   touched = set()
@@ -231,7 +231,7 @@ def test_multi_steps_moves_only_rows_of_the_window():
 # -- group 3: under jit, no row written, and reported ------------------------
 
 def _jit_step_with(change):
-  tx = lazy_optax.with_id_checks(lazy_optax.lazy(optax.sgd(1.0)))
+  tx = lazy_optax.checks.with_id_checks(lazy_optax.lazy(optax.sgd(1.0)))
   params = {'t': _table()}
   ids, values = _batches(steps=1)[0]
 
@@ -254,8 +254,8 @@ def _jit_step_with(change):
 ], ids=['scale_1e-30', 'scale_2^-70', 'tree_add', 'add_noise'])
 def test_damage_under_jit_writes_no_row_warns_and_is_checked(change):
   step, params, state, g = _jit_step_with(change)
-  with pytest.raises(lazy_optax.CheckError, match='row ids of parameter t'):
-    lazy_optax.checked(step)(params, state, g)
+  with pytest.raises(lazy_optax.checks.CheckError, match='row ids of parameter t'):
+    lazy_optax.checks.checked(step)(params, state, g)
   sgd = lazy_optax.lazy(optax.sgd(1.0))
   plain = jax.jit(lambda p, s, g: lazy_optax.apply_updates(
       p, sgd.update({'t': change(g)}, s, p)[0]))
@@ -270,8 +270,8 @@ def test_damage_under_jit_writes_no_row_warns_and_is_checked(change):
 def test_centralize_before_lazy_is_reported():
   step, params, state, g = _jit_step_with(
       lambda g: optax.centralize().update(g, optax.centralize().init(g))[0])
-  with pytest.raises(lazy_optax.CheckError, match='row ids of parameter t'):
-    lazy_optax.checked(step)(params, state, g)
+  with pytest.raises(lazy_optax.checks.CheckError, match='row ids of parameter t'):
+    lazy_optax.checks.checked(step)(params, state, g)
 
 
 # -- keyword deprecation and hyperparameters ---------------------------------
@@ -291,8 +291,8 @@ OPTIMIZERS = {
     'lazy_adam': lambda **kw: lazy_optax.lazy_adam(0.1, **kw),
     'lazy_adamw': lambda **kw: lazy_optax.lazy_adamw(0.1, **kw),
     'scale_by_lazy_adam': lazy_optax.scale_by_lazy_adam,
-    'row_adam': lambda **kw: lazy_optax.row_adam(0.1, **kw),
-    'scale_by_row_adam': lazy_optax.scale_by_row_adam,
+    'row_adam': lambda **kw: lazy_optax.adam_with_counter(0.1, **kw),
+    'scale_by_row_adam': lazy_optax.scale_by_adam_with_counter,
     'partial_rowwise_adam': lambda **kw: lazy_optax.partial_rowwise_adam(
         0.1, **kw),
     'scale_by_partial_rowwise_adam': lazy_optax.scale_by_partial_rowwise_adam,

@@ -62,8 +62,8 @@ def test_state_shardings_follow_params():
   params = {'table': jax.device_put(jnp.zeros((6, 2)), rows),
             'bias': jax.device_put(jnp.zeros(2), NamedSharding(mesh, P()))}
   tx = lazy_optax.lazy_adam(1e-3, amsgrad=True)
-  shardings = lazy_optax.state_shardings(tx, params)
-  state = lazy_optax.init_sharded(tx, params)
+  shardings = lazy_optax.sharding.state_shardings(tx, params)
+  state = lazy_optax.sharding.init_sharded(tx, params)
   for name in ('mu', 'nu', 'nu_max'):
     leaf = optax.tree_utils.tree_get(state, name)['table']
     assert leaf.sharding == rows
@@ -77,22 +77,22 @@ def test_state_shardings_follow_params():
 def test_state_shardings_errors():
   tx = lazy_optax.lazy_adam(1e-3)
   with pytest.raises(ValueError, match='no NamedSharding'):
-    lazy_optax.state_shardings(
+    lazy_optax.sharding.state_shardings(
         tx, {'t': jnp.zeros((4, 2))},
         {'t': jax.sharding.SingleDeviceSharding(jax.devices()[0])})
   with pytest.raises(ValueError, match='tree structure of params'):
-    lazy_optax.state_shardings(tx, {'t': jnp.zeros((4, 2))}, {'u': None})
+    lazy_optax.sharding.state_shardings(tx, {'t': jnp.zeros((4, 2))}, {'u': None})
   with pytest.raises(ValueError, match='has no sharding'):
-    lazy_optax.state_shardings(tx, {'t': np.zeros((4, 2))})
+    lazy_optax.sharding.state_shardings(tx, {'t': np.zeros((4, 2))})
 
 
 def test_per_row_state_leaves_get_the_row_split():
-  # row_adam keeps [num_rows] counters beside [num_rows, D] moments: they take
+  # adam_with_counter keeps [num_rows] counters beside [num_rows, D] moments: they take
   # the table's row split and drop the column part of its spec.
   mesh = jax.make_mesh((1,), ('rows',))
   table = jax.device_put(jnp.zeros((8, 2)), NamedSharding(mesh, P('rows', None)))
-  tx = lazy_optax.row_adam(1e-3)
-  state = lazy_optax.init_sharded(tx, {'table': table})
+  tx = lazy_optax.adam_with_counter(1e-3)
+  state = lazy_optax.sharding.init_sharded(tx, {'table': table})
   row_count = optax.tree_utils.tree_get(state, 'row_count')['table']
   assert row_count.shape == (8,)
   assert row_count.sharding.spec == P('rows')

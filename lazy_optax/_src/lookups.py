@@ -9,7 +9,7 @@ Equinox layers, eagerly and under `jax.jit` alike:
   around) read zero rows and never produce a gradient row (their slots hold
   id `num_rows` and zero values, which every scatter drops). Where the ids
   are concrete this is a `ValueError` naming the table and the first bad
-  id; under `jax.jit`, `lazy_optax.checked` reports it as a `CheckError`.
+  id; under `jax.jit`, `lazy_optax.checks.checked` reports it as a `CheckError`.
 * slots holding `padding_id` read the padding row as it is (zeros when
   `padding_id` is outside the table) and never produce a gradient row, so no
   optimizer ever updates the padding row for them.
@@ -73,8 +73,9 @@ def check_in_range(ids: jax.Array, active: Optional[jax.Array],
   `checkify.debug_check`) sends every call of a jitted step through Python
   dispatch, measured at 0.15 ms of a 0.5 ms train step. Under
   `lazy_optax.value_and_grad` the table's `SparseRows` gradient keeps such
-  ids as they are (they touch no row), so `lazy_optax.with_id_checks` or
-  `lazy_optax.check_ids_in_range` under `lazy_optax.checked` report them.
+  ids as they are (they touch no row), so the checked mode
+  (`lazy_optax.checks.with_id_checks` or `lazy_optax.checks.check_ids_in_range`
+  under `lazy_optax.checks.checked`) reports them.
   """
   concrete = not isinstance(ids, jax.core.Tracer) and (
       active is None or not isinstance(active, jax.core.Tracer))
@@ -152,7 +153,7 @@ def lookup(table: Any, ids: Any, dtype: Any = None, *,
   Inside it, the table's gradient arrives as a `SparseRows` holding one slot
   per id. Ids outside `[0, num_rows)` (negative ones included) read zero rows
   and never produce a gradient row; concrete ones raise `ValueError` naming
-  the first bad id (under `jax.jit`, `lazy_optax.checked` reports them).
+  the first bad id (under `jax.jit`, `lazy_optax.checks.checked` reports them).
 
   Args:
     table: the parameter array `[num_rows, *row_shape]`, exactly as the loss

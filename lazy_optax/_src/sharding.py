@@ -149,8 +149,8 @@ def state_shardings(
     >>> mesh = jax.make_mesh((1,), ('rows',))
     >>> params = {'table': jax.device_put(jnp.zeros((8, 2)),
     ...                                   NamedSharding(mesh, P('rows')))}
-    >>> shardings = lazy_optax.state_shardings(lazy_optax.lazy_adam(1e-3),
-    ...                                        params)
+    >>> shardings = lazy_optax.sharding.state_shardings(
+    ...     lazy_optax.lazy_adam(1e-3), params)
     >>> shardings[0].mu['table'].spec, shardings[0].count.spec
     (P('rows',), P())
   """
@@ -206,7 +206,8 @@ def init_sharded(
     >>> mesh = jax.make_mesh((1,), ('rows',))
     >>> params = {'table': jax.device_put(jnp.zeros((8, 2)),
     ...                                   NamedSharding(mesh, P('rows')))}
-    >>> state = lazy_optax.init_sharded(lazy_optax.lazy_adam(1e-3), params)
+    >>> state = lazy_optax.sharding.init_sharded(lazy_optax.lazy_adam(1e-3),
+    ...                                          params)
     >>> state[0].nu['table'].sharding.spec
     P('rows',)
   """

@@ -63,8 +63,8 @@ class _SparseRowsType(type):
         '(Equinox: lazy_optax.equinox.apply_updates, not '
         'eqx.apply_updates), give a table that optax.partition routes to a '
         'plain optax optimizer a lazy one (lazy_optax.lazy(...)), use '
-        'lazy_optax.multi_steps instead of optax.MultiSteps and '
-        'lazy_optax.path_labels as the label function of optax.partition, '
+        'lazy_optax.wrappers.multi_steps instead of optax.MultiSteps and '
+        'lazy_optax.tree.path_labels as the label function of optax.partition, '
         'and put other transformations inside lazy_optax.lazy(...))')
 
 
@@ -92,8 +92,8 @@ class SparseRows(metaclass=_SparseRowsType):
   `add_to` then raise when the code is concrete, and under `jax.jit` write no
   row from that gradient and warn (the checked mode, `with_id_checks` and
   `checked`, reports it as a `CheckError`). Combine gradients with `g1 + g2`
-  (the rows concatenated) or `lazy_optax.tree_add`, across devices with
-  `lazy_optax.tree_psum`/`tree_pmean`, and scale with `g * s`.
+  (the rows concatenated) or `lazy_optax.tree.add`, across devices with
+  `lazy_optax.tree.psum`/`pmean`, and scale with `g * s`.
 
   Args:
     ids: integer array of shape `[N]`, the row ids (duplicates allowed).
@@ -511,7 +511,8 @@ def deduplicate(grad: SparseRows,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from lazy_optax import SparseRows, deduplicate
+    >>> from lazy_optax import SparseRows
+    >>> from lazy_optax.tree import deduplicate
     >>> u = deduplicate(SparseRows(jnp.array([3, 1, 3]), jnp.ones((3, 1)), 5))
     >>> u.ids, u.values[:, 0]
     (Array([1, 3, 5], dtype=int32), Array([1., 2., 0.], dtype=float32))
