@@ -11,7 +11,9 @@ call (as a context manager or a call). Usage:
 """
 
 import ast
+import collections
 import pathlib
+import subprocess
 import sys
 
 
@@ -43,9 +45,48 @@ def count(path: pathlib.Path) -> dict[str, int]:
   return out
 
 
+def _checks(node: ast.AST) -> int:
+  n = 0
+  for sub in ast.walk(node):
+    if isinstance(sub, ast.Assert):
+      n += 1
+    elif isinstance(sub, ast.Call):
+      name = _name(sub.func)
+      if (name in ('pytest.raises', 'pytest.warns')
+          or name.rsplit('.', 1)[-1].startswith('assert')):
+        n += 1
+  return n
+
+
+def run_weighted(roots: list[str]) -> None:
+  """Assertions per test function times the cases it was collected as."""
+  out = subprocess.run(
+      [sys.executable, '-m', 'pytest', '--collect-only', '-q',
+       '-p', 'no:cacheprovider', *roots],
+      capture_output=True, text=True, check=False).stdout
+  cases: collections.Counter = collections.Counter()
+  for line in out.splitlines():
+    if '::' in line and not line.startswith(' '):
+      path, _, rest = line.partition('::')
+      cases[(path, rest.split('[')[0].split('::')[-1])] += 1
+  total_cases = total_checks = 0
+  for (path, func), n in cases.items():
+    if not path.endswith('.py') or not pathlib.Path(path).exists():
+      continue
+    tree = ast.parse(pathlib.Path(path).read_text())
+    for node in ast.walk(tree):
+      if isinstance(node, ast.FunctionDef) and node.name == func:
+        total_checks += n * _checks(node)
+        total_cases += n
+        break
+  print(f'collected test cases of tests/: {total_cases}, assertions they run '
+        f'(own statements x parametrizations): {total_checks}')
+
+
 def main(argv: list[str]) -> None:
   verbose = '-v' in argv
-  roots = [a for a in argv if a != '-v'] or ['tests']
+  weighted = '--run' in argv
+  roots = [a for a in argv if a not in ('-v', '--run')] or ['tests']
   files = sorted(p for r in roots for p in pathlib.Path(r).rglob('*.py'))
   total = {'tests': 0, 'assert': 0, 'assert_*': 0, 'pytest.raises': 0}
   for f in files:
@@ -59,6 +100,8 @@ def main(argv: list[str]) -> None:
         f'{checks} assertions ({total["assert"]} assert, '
         f'{total["assert_*"]} assert_* calls, '
         f'{total["pytest.raises"]} pytest.raises/warns)')
+  if weighted:
+    run_weighted(roots)
 
 
 if __name__ == '__main__':

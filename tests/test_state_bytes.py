@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from lean_common import assert_checkpoint_resumes
 import numpy as np
 import optax
+from optimizer_cases import assert_checkpoint_resumes
 import pytest
 
 import lazy_optax

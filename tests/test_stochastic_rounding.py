@@ -4,9 +4,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from lean_sharded_checks import run_checks
 import numpy as np
 import pytest
+from sharded_checks import run_checks
 
 import lazy_optax
 

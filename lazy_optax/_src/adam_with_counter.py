@@ -67,6 +67,12 @@ def _row_zeros(p: Any) -> jax.Array:
   return jnp.zeros(shape[:1], jnp.int32)
 
 
+def _no_decay(weight_decay: Any) -> bool:
+  """Whether weight decay is off: a Python 0 (an array, such as one that
+  `optax.inject_hyperparams` passes, may change, so it counts as on)."""
+  return isinstance(weight_decay, (int, float)) and weight_decay == 0
+
+
 def _check_args(fn, b1, b2, eps, eps_root, weight_decay, bias_correction):
   if bias_correction not in _BIAS_CORRECTIONS:
     raise ValueError(
@@ -134,7 +140,7 @@ def _apply_lr_and_decay(step: jax.Array, leaf: _RowLeaf, lr: Any,
   """`-lr * step`, minus decoupled weight decay (over skipped steps too)."""
   lr_d = jnp.asarray(lr, dtype)
   step = -lr_d * step
-  if not (cfg.weight_decay and leaf.decay):
+  if _no_decay(cfg.weight_decay) or not leaf.decay:
     return step
   p = jnp.asarray(leaf.param).astype(dtype)
   rate = jnp.asarray(cfg.weight_decay, dtype) * lr_d
@@ -199,7 +205,7 @@ def _adam_with_counter_rule(
         updates, state.mu, state.nu, state.row_count, state.last_step)]
     n = len(flat[0])
     param_leaves, decays = [None] * n, [False] * n
-    if weight_decay:
+    if not _no_decay(weight_decay):
       if params is None:
         raise ValueError(
             'adam_with_counter with weight_decay needs params in '
@@ -346,7 +352,7 @@ def adam_with_counter(
     >>> lazy_optax.apply_updates(params, updates)['table'][7]
     Array([-0.1, -0.1], dtype=float32)
   """
-  if not weight_decay and decay_skipped_steps:
+  if _no_decay(weight_decay) and decay_skipped_steps:
     raise ValueError(
         'adam_with_counter: decay_skipped_steps=True needs weight_decay > 0.')
   return lazy(_adam_with_counter_rule(

@@ -1,5 +1,9 @@
-"""Wrong use fails at once, with a message naming the problem and the path."""
+"""Wrong use fails at once, with a message naming the problem and the path.
 
+Sections: ids; gradients that do not fit their parameter; optimizer states
+that do not fit the parameters; optimizer arguments (one check and one
+wording for every optimizer); what an update needs; sharding.
+"""
 
 import jax
 import jax.numpy as jnp
@@ -211,3 +215,189 @@ def test_apply_updates_shape_mismatch_names_the_path():
                      r'\(5, 3\) but its SparseRows is for shape '
                      r'\(6, 3\)'):
     lazy_optax.apply_updates(_params(), update)
+
+
+# -- gradients that do not fit the parameter, without params ------------------
+
+
+def test_shape_mismatch_without_params_is_still_an_error():
+  tx = lazy_optax.lazy_adam(0.1)
+  state = tx.init(_params())
+  for bad in (SparseRows(jnp.array([1]), jnp.ones((1, 4)), 5),
+              SparseRows(jnp.array([1]), jnp.ones((1, 3)), 6)):
+    grads = _grads()
+    grads['emb']['table'] = bad
+    with pytest.raises(ValueError, match=PATH):
+      tx.update(grads, state)
+
+
+@pytest.mark.parametrize('make_tx', [lambda: lazy_optax.lazy_adam(0.1),
+                                     lambda: lazy_optax.lazy(optax.adam(0.1))])
+def test_integer_dense_gradient_names_the_parameter(make_tx):
+  tx = make_tx()
+  params = _params()
+  grads = _grads()
+  grads['emb']['table'] = jnp.ones((5, 3), jnp.int32)
+  with pytest.raises(TypeError, match=PATH + r'.*int32'):
+    tx.update(grads, tx.init(params), params)
+
+
+# -- state that cannot be updated row by row -----------------------------------
+
+
+def test_factored_adafactor_table_names_the_state_leaf():
+  tx = lazy_optax.lazy(optax.adafactor(0.1, min_dim_size_to_factor=2))
+  params = _params()
+  with pytest.raises(ValueError, match=r'v_row/' + PATH + r'.*row shape'):
+    tx.update(_grads((1, 2)), tx.init(params), params)
+
+
+def test_unfactored_adafactor_table_is_fine():
+  tx = lazy_optax.lazy(optax.adafactor(0.1))   # D < 128: not factored
+  params = _params()
+  u, _ = tx.update(_grads((1, 2)), tx.init(params), params)
+  new = lazy_optax.apply_updates(params, u)['emb']['table']
+  changed = np.flatnonzero(np.any(new != params['emb']['table'], axis=1))
+  np.testing.assert_array_equal(changed, [1, 2])
+
+
+def _custom(init_leaf, update_leaf):
+  def init_fn(params):
+    return jax.tree.map(init_leaf, params)
+
+  def update_fn(updates, state, params=None):
+    del params
+    return updates, jax.tree.map(update_leaf, state, updates)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def test_transposed_state_copy_names_the_state_leaf():
+  tx = lazy_optax.lazy(_custom(lambda p: jnp.zeros(p.shape[::-1]),
+                               lambda s, g: s + g.T))
+  params = _params()
+  with pytest.raises(ValueError, match=PATH + r'.*one entry per row'):
+    tx.update(_grads((1,)), tx.init(params), params)
+
+
+def test_column_statistic_state_names_the_state_leaf():
+  tx = lazy_optax.lazy(_custom(lambda p: jnp.zeros(p.shape[1:]),
+                               lambda s, g: s + jnp.sum(g, axis=0)))
+  params = _params()
+  with pytest.raises(ValueError, match=PATH + r'.*statistic across rows'):
+    tx.update(_grads((1,)), tx.init(params), params)
+
+
+# -- optimizer arguments: one check and one wording for every optimizer --------
+
+OPTIMIZERS = {
+    'lazy_adam': lambda **kw: lazy_optax.lazy_adam(0.1, **kw),
+    'lazy_adamw': lambda **kw: lazy_optax.lazy_adamw(0.1, **kw),
+    'scale_by_lazy_adam': lazy_optax.scale_by_lazy_adam,
+    'adam_with_counter': lambda **kw: lazy_optax.adam_with_counter(0.1, **kw),
+    'scale_by_adam_with_counter': lazy_optax.scale_by_adam_with_counter,
+    'partial_rowwise_adam': lambda **kw: lazy_optax.partial_rowwise_adam(
+        0.1, **kw),
+    'scale_by_partial_rowwise_adam': lazy_optax.scale_by_partial_rowwise_adam,
+}
+BAD = [('b1', 1.5, r'b1 must be in \[0, 1\), got 1.5'),
+       ('b2', -0.1, r'b2 must be in \[0, 1\), got -0.1'),
+       ('b2', 1.0, r'b2 must be in \[0, 1\), got 1.0'),
+       ('eps', -1.0, r'eps must be >= 0, got -1.0')]
+
+
+@pytest.mark.parametrize('arg,value,message', BAD,
+                         ids=[f'{b[0]}={b[1]}' for b in BAD])
+@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
+def test_adam_family_checks_hyperparameters_alike(name, arg, value, message):
+  with pytest.raises(ValueError, match=f'^{name}: {message}.$'):
+    OPTIMIZERS[name](**{arg: value})
+
+
+@pytest.mark.parametrize('make,message', [
+    (lambda: lazy_optax.rowwise_adagrad(0.1, eps=-1.),
+     r'^rowwise_adagrad: eps must be >= 0, got -1.0.$'),
+    (lambda: lazy_optax.scale_by_rowwise_adagrad(
+        initial_accumulator_value=-1.),
+     r'^scale_by_rowwise_adagrad: initial_accumulator_value must be >= 0'),
+    (lambda: lazy_optax.rowwise_adagrad(0.1, weight_decay_mode='L2'),
+     'weight_decay_mode must be one of'),
+    (lambda: lazy_optax.rowwise_adagrad(0.1, weight_decay=0.1),
+     "weight_decay_mode='none'"),
+    (lambda: lazy_optax.partial_rowwise_adam(0.1, weight_decay=-0.1),
+     'weight_decay must be >= 0'),
+    (lambda: lazy_optax.ftrl(0.1, learning_rate_power=0.5),
+     r'^ftrl: learning_rate_power must be <= 0, got 0.5.$'),
+    (lambda: lazy_optax.ftrl(0.1, l1=-1.),
+     r'^ftrl: l1 must be >= 0, got -1.0.$'),
+    (lambda: lazy_optax.ftrl(0.0), r'^ftrl: learning_rate must be > 0'),
+    (lambda: lazy_optax.lazy_adamw(0.1, weight_decay=-1.),
+     r'^lazy_adamw: weight_decay must be >= 0'),
+    (lambda: lazy_optax.adam_with_counter(0.1, bias_correction='per-row'),
+     'bias_correction'),
+    (lambda: lazy_optax.adam_with_counter(0.1, decay_skipped_steps=True),
+     'weight_decay'),
+])
+def test_optimizer_arguments_are_checked(make, message):
+  with pytest.raises(ValueError, match=message):
+    make()
+
+
+# -- what an update needs ------------------------------------------------------
+
+_TABLE = {'table': jnp.zeros((5, 2))}
+
+
+def _one_row(num_rows=5, width=2):
+  return {'table': SparseRows(jnp.array([1]), jnp.ones((1, width)), num_rows)}
+
+
+@pytest.mark.parametrize('tx, match', [
+    (lazy_optax.rowwise_adagrad(0.1, weight_decay=0.1,
+                                weight_decay_mode='l2'), 'needs params'),
+    (lazy_optax.adam_with_counter(0.1, weight_decay=0.1), 'needs params'),
+    (lazy_optax.ftrl(0.1), 'needs the current params'),
+], ids=['rowwise_adagrad(l2)', 'adam_with_counter(weight_decay)', 'ftrl'])
+def test_rules_that_read_the_weights_need_params(tx, match):
+  with pytest.raises(ValueError, match=match):
+    tx.update(_one_row(), tx.init(_TABLE))
+
+
+def test_ftrl_needs_params_for_dense_gradients_too():
+  tx = lazy_optax.ftrl(0.1)
+  with pytest.raises(ValueError, match='needs the current params'):
+    tx.update({'table': jnp.ones((5, 2))}, tx.init(_TABLE))
+
+
+@pytest.mark.parametrize('tx, grads', [
+    (lazy_optax.rowwise_adagrad(0.1, weight_decay=0.1, weight_decay_mode='l2'),
+     _one_row(width=3)),
+    (lazy_optax.ftrl(0.1), _one_row(num_rows=6)),
+], ids=['rowwise_adagrad-row_shape', 'ftrl-num_rows'])
+def test_lean_optimizers_name_the_parameter(tx, grads):
+  with pytest.raises(ValueError, match='table'):
+    tx.update(grads, tx.init(_TABLE), _TABLE)
+
+
+def test_partial_rowwise_adam_names_the_nested_parameter():
+  tx = lazy_optax.partial_rowwise_adam(0.1)
+  params = {'emb': {'table': jnp.zeros((5, 2))}}
+  with pytest.raises(ValueError, match='emb'):
+    tx.update({'emb': {'table': SparseRows(
+        jnp.array([1]), jnp.ones((1, 2)), 6)}}, tx.init(params), params)
+
+
+# -- sharding ------------------------------------------------------------------
+
+
+def test_state_shardings_errors():
+  tx = lazy_optax.lazy_adam(1e-3)
+  with pytest.raises(ValueError, match='no NamedSharding'):
+    lazy_optax.sharding.state_shardings(
+        tx, {'t': jnp.zeros((4, 2))},
+        {'t': jax.sharding.SingleDeviceSharding(jax.devices()[0])})
+  with pytest.raises(ValueError, match='tree structure of params'):
+    lazy_optax.sharding.state_shardings(tx, {'t': jnp.zeros((4, 2))},
+                                        {'u': None})
+  with pytest.raises(ValueError, match='has no sharding'):
+    lazy_optax.sharding.state_shardings(tx, {'t': np.zeros((4, 2))})
