@@ -57,10 +57,6 @@ def run_checks(mode, directory=''):
   env = dict(os.environ)
   env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
   env.pop('JAX_ENABLE_X64', None)
-  # The subprocess imports the package of this checkout, as pytest does.
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env['PYTHONPATH'] = os.pathsep.join(
-      p for p in (root, env.get('PYTHONPATH')) if p)
   proc = subprocess.run(
       [sys.executable, os.path.abspath(__file__), mode, str(directory)],
       env=env, capture_output=True, text=True, timeout=900)

@@ -208,7 +208,7 @@ def test_no_optimizer_ever_updates_the_padding_row(tx):
   assert not np.array_equal(after[1:6], before[1:6])
 
 
-def test_checked_mode_reports_out_of_range_ids_under_jit():
+def test_checked_mode_reports_out_of_range_lookup_ids_under_jit():
   params = {'emb': {'table': jnp.zeros((NUM_ROWS, DIM))}}
 
   def step(params, ids):

@@ -134,7 +134,7 @@ def test_untouched_rows_stay_put():
   np.testing.assert_allclose(table[3], old[3] - 0.5, rtol=1e-5)
 
 
-def test_errors_name_the_problem():
+def test_per_pattern_lr_errors_name_the_problem():
   params = _params()
   with pytest.raises(ValueError, match=r"'\[unclosed' is not a valid"):
     lazy_optax.compat.per_pattern_lr(optax.adam, 0.1, [('[unclosed', 0.1)])

@@ -121,7 +121,7 @@ def test_global_step_with_schedules_and_inject_hyperparams():
   assert len(counts) >= 2
 
 
-def test_errors_name_the_problem():
+def test_slot_errors_name_the_problem():
   params = _params()
   state = lazy_optax.lazy_adam(0.1).init(params)
   with pytest.raises(KeyError, match="no slot 'trace'"):

@@ -226,7 +226,12 @@ def _sparse_rows(ids: jax.Array, values: jax.Array,
 
 def _zeros(struct: jax.ShapeDtypeStruct, axes: tuple[Any, ...]) -> jax.Array:
   zeros = jnp.zeros(struct.shape, struct.dtype)
-  return jax.lax.pcast(zeros, axes, to='varying') if axes else zeros
+  if not axes:
+    return zeros
+  pcast = getattr(jax.lax, 'pcast', None)
+  if pcast is None:  # older JAX names it jax.lax.pvary
+    return jax.lax.pvary(zeros, axes)  # type: ignore[attr-defined]
+  return pcast(zeros, axes, to='varying')
 
 
 def _differentiate(call: Callable[..., Any], params: _Params,

@@ -151,8 +151,10 @@ def state_shardings(
     ...                                   NamedSharding(mesh, P('rows')))}
     >>> shardings = lazy_optax.sharding.state_shardings(
     ...     lazy_optax.lazy_adam(1e-3), params)
-    >>> shardings[0].mu['table'].spec, shardings[0].count.spec
-    (P('rows',), P())
+    >>> shardings[0].mu['table'].spec == P('rows')
+    True
+    >>> shardings[0].count.spec == P()
+    True
   """
   if param_shardings is None:
     param_shardings = jax.tree.map(_sharding_of, params)
@@ -208,8 +210,8 @@ def init_sharded(
     ...                                   NamedSharding(mesh, P('rows')))}
     >>> state = lazy_optax.sharding.init_sharded(lazy_optax.lazy_adam(1e-3),
     ...                                          params)
-    >>> state[0].nu['table'].sharding.spec
-    P('rows',)
+    >>> state[0].nu['table'].sharding.spec == P('rows')
+    True
   """
   shardings = state_shardings(tx, params, param_shardings)
   return jax.jit(tx.init, out_shardings=shardings)(params)
