@@ -153,6 +153,9 @@ def test_empty_batches_change_nothing_but_the_count(case, jit):
   for t, (ids, values) in enumerate(data, start=1):
     new_params, new_state = step(params, state, jnp.asarray(ids),
                                  jnp.asarray(values))
+    if t == 1:  # the update of an empty batch is still row-sparse
+      u, _ = tx.update({'table': SparseRows(ids, values, 8)}, state, params)
+      assert isinstance(u['table'], SparseRows) and u['table'].num_ids == 0
     if not len(ids):
       np.testing.assert_array_equal(new_params['table'], params['table'])
       for s in case.slots:
@@ -176,6 +179,12 @@ def test_rows_of_any_shape(case):
   assert rows.size
   np.testing.assert_array_equal(np.asarray(params['table'])[rows],
                                 table.astype(np.float32)[rows])
+  touched = np.setdiff1d(np.arange(NUM_ROWS), rows)
+  for s in case.slots:  # every touched row's state moved
+    got = np.asarray(slot(state, s.name))
+    moved = np.any((got != _initial(case, s.name, got.dtype)).reshape(
+        NUM_ROWS, -1), axis=1)
+    assert moved[touched].all(), s.name
 
 
 @pytest.mark.parametrize('case', RULE_CASES, ids=str)
