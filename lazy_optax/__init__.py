@@ -1,110 +1,132 @@
 """lazy_optax: LazyAdam and lazy (row-sparse) updates for any optax
-optimizer."""
+optimizer.
 
+The top level holds the core (`SparseRows`, `lazy`, `apply_updates`,
+`lookup`, `lookup_bag`, `value_and_grad`) and the optimizers with their
+`scale_by_*` transformations and states, and `kernel_status` /
+`explain_update` (which row-update implementation runs, and why). The rest
+lives in submodules, one
+concept each: `lazy_optax.tree` (gradient-tree arithmetic, paths and
+labels), `lazy_optax.checks` (the checked mode), `lazy_optax.sharding`
+(row-sharded optimizer state), `lazy_optax.perf` (donated train steps, huge
+pages), `lazy_optax.precision` (stochastic rounding), `lazy_optax.wrappers`
+(`multi_steps`) and `lazy_optax.compat` (TensorFlow/Keras helpers). The
+framework layers are imported on request: `lazy_optax.flax`,
+`lazy_optax.haiku`, `lazy_optax.equinox`.
+"""
+
+from lazy_optax import checks
 from lazy_optax import compat
+from lazy_optax import perf
+from lazy_optax import precision
+from lazy_optax import sharding
+from lazy_optax import tree
+from lazy_optax import wrappers
+from lazy_optax._src import deprecations as _deprecations
 from lazy_optax._src.adam import lazy_adam
 from lazy_optax._src.adam import lazy_adamw
 from lazy_optax._src.adam import scale_by_lazy_adam
 from lazy_optax._src.adam import ScaleByLazyAdamState
 from lazy_optax._src.adam import ScaleByLazyAMSGradState
+from lazy_optax._src.adam_with_counter import adam_with_counter
+from lazy_optax._src.adam_with_counter import scale_by_adam_with_counter
+from lazy_optax._src.adam_with_counter import ScaleByAdamWithCounterState
 from lazy_optax._src.apply import apply_updates
-from lazy_optax._src.checks import check_ids_in_range
-from lazy_optax._src.checks import checked
-from lazy_optax._src.checks import CheckError
-from lazy_optax._src.checks import with_id_checks
 from lazy_optax._src.ftrl import ftrl
 from lazy_optax._src.ftrl import FtrlState
 from lazy_optax._src.grads import value_and_grad
-from lazy_optax._src.huge_pages import advise_huge_pages
 from lazy_optax._src.impls import explain_update
 from lazy_optax._src.impls import kernel_status
-
-# TensorFlow/Keras helpers, now in lazy_optax.compat; these top-level
-# aliases remain for one release (0.2) and are not in __all__.
-from lazy_optax._src.keras_clipping import clipnorm as clipnorm
-from lazy_optax._src.keras_clipping import clipvalue as clipvalue
-from lazy_optax._src.keras_clipping import global_clipnorm as global_clipnorm
-from lazy_optax._src.labels import path_labels
-from lazy_optax._src.labels import path_name
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.lookups import lookup
 from lazy_optax._src.lookups import lookup_bag
-from lazy_optax._src.multi_steps import multi_steps
-from lazy_optax._src.multi_steps import MultiStepsState
 from lazy_optax._src.partial_rowwise_adam import partial_rowwise_adam
 from lazy_optax._src.partial_rowwise_adam import scale_by_partial_rowwise_adam
 from lazy_optax._src.partial_rowwise_adam import ScaleByPartialRowwiseAdamState
-from lazy_optax._src.per_pattern import per_pattern_lr as per_pattern_lr
-from lazy_optax._src.row_adam import row_adam
-from lazy_optax._src.row_adam import scale_by_row_adam
-from lazy_optax._src.row_adam import ScaleByRowAdamState
 from lazy_optax._src.rowwise_adagrad import rowwise_adagrad
 from lazy_optax._src.rowwise_adagrad import scale_by_rowwise_adagrad
 from lazy_optax._src.rowwise_adagrad import ScaleByRowwiseAdagradState
-from lazy_optax._src.sharding import init_sharded
-from lazy_optax._src.sharding import state_shardings
-from lazy_optax._src.slots import get_slot as get_slot
-from lazy_optax._src.slots import get_slot_names as get_slot_names
-from lazy_optax._src.slots import global_step as global_step
-from lazy_optax._src.sparse_rows import deduplicate
-from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
-from lazy_optax._src.stochastic_rounding import apply_updates_stochastic
-from lazy_optax._src.stochastic_rounding import stochastic_round
-from lazy_optax._src.train_step import make_train_step
-from lazy_optax._src.train_step import warn_if_not_donated
-from lazy_optax._src.tree_ops import tree_add
-from lazy_optax._src.tree_ops import tree_pmean
-from lazy_optax._src.tree_ops import tree_psum
-from lazy_optax._src.tree_ops import tree_scale
 
 __version__ = '0.1.0'
 
 __all__ = (
-    'compat',
-    'advise_huge_pages',
-    'apply_updates',
-    'apply_updates_stochastic',
-    'check_ids_in_range',
-    'checked',
-    'CheckError',
-    'deduplicate',
-    'explain_update',
-    'ftrl',
-    'FtrlState',
-    'init_sharded',
-    'is_sparse_rows',
-    'kernel_status',
+    # The core: row-sparse gradients and the lazy wrapper.
+    'SparseRows',
     'lazy',
-    'lazy_adam',
-    'lazy_adamw',
+    'apply_updates',
     'lookup',
     'lookup_bag',
-    'make_train_step',
-    'multi_steps',
-    'MultiStepsState',
-    'partial_rowwise_adam',
-    'path_labels',
-    'path_name',
-    'row_adam',
-    'rowwise_adagrad',
+    'value_and_grad',
+    # Optimizers, their scaling transformations and states.
+    'lazy_adam',
+    'lazy_adamw',
     'scale_by_lazy_adam',
-    'scale_by_partial_rowwise_adam',
-    'scale_by_row_adam',
-    'scale_by_rowwise_adagrad',
     'ScaleByLazyAdamState',
     'ScaleByLazyAMSGradState',
-    'ScaleByPartialRowwiseAdamState',
-    'ScaleByRowAdamState',
+    'adam_with_counter',
+    'scale_by_adam_with_counter',
+    'ScaleByAdamWithCounterState',
+    'rowwise_adagrad',
+    'scale_by_rowwise_adagrad',
     'ScaleByRowwiseAdagradState',
-    'SparseRows',
-    'state_shardings',
-    'stochastic_round',
-    'tree_add',
-    'tree_pmean',
-    'tree_psum',
-    'tree_scale',
-    'value_and_grad',
-    'warn_if_not_donated',
-    'with_id_checks',
+    'partial_rowwise_adam',
+    'scale_by_partial_rowwise_adam',
+    'ScaleByPartialRowwiseAdamState',
+    'ftrl',
+    'FtrlState',
+    # Which row-update implementation runs where, and why.
+    'kernel_status',
+    'explain_update',
 )
+
+# Names that moved in 0.2. They keep working until 0.3, each use with a
+# DeprecationWarning that names the new place; see CHANGELOG.md.
+_MOVED = {
+    old: _deprecations.Moved(f'lazy_optax.{new}', obj)
+    for old, new, obj in (
+        ('tree_add', 'tree.add', tree.add),
+        ('tree_scale', 'tree.scale', tree.scale),
+        ('tree_psum', 'tree.psum', tree.psum),
+        ('tree_pmean', 'tree.pmean', tree.pmean),
+        ('is_sparse_rows', 'tree.is_sparse_rows', tree.is_sparse_rows),
+        ('deduplicate', 'tree.deduplicate', tree.deduplicate),
+        ('path_name', 'tree.path_name', tree.path_name),
+        ('path_labels', 'tree.path_labels', tree.path_labels),
+        ('with_id_checks', 'checks.with_id_checks', checks.with_id_checks),
+        ('checked', 'checks.checked', checks.checked),
+        ('CheckError', 'checks.CheckError', checks.CheckError),
+        ('check_ids_in_range', 'checks.check_ids_in_range',
+         checks.check_ids_in_range),
+        ('state_shardings', 'sharding.state_shardings',
+         sharding.state_shardings),
+        ('init_sharded', 'sharding.init_sharded', sharding.init_sharded),
+        ('make_train_step', 'perf.make_train_step', perf.make_train_step),
+        ('warn_if_not_donated', 'perf.warn_if_not_donated',
+         perf.warn_if_not_donated),
+        ('advise_huge_pages', 'perf.advise_huge_pages',
+         perf.advise_huge_pages),
+        ('apply_updates_stochastic', 'precision.apply_updates_stochastic',
+         precision.apply_updates_stochastic),
+        ('stochastic_round', 'precision.stochastic_round',
+         precision.stochastic_round),
+        ('multi_steps', 'wrappers.multi_steps', wrappers.multi_steps),
+        ('MultiStepsState', 'wrappers.MultiStepsState',
+         wrappers.MultiStepsState),
+        ('row_adam', 'adam_with_counter', adam_with_counter),
+        ('scale_by_row_adam', 'scale_by_adam_with_counter',
+         scale_by_adam_with_counter),
+        ('ScaleByRowAdamState', 'ScaleByAdamWithCounterState',
+         ScaleByAdamWithCounterState),
+        # TensorFlow/Keras helpers, in lazy_optax.compat since 0.2.
+        ('clipnorm', 'compat.clipnorm', compat.clipnorm),
+        ('clipvalue', 'compat.clipvalue', compat.clipvalue),
+        ('global_clipnorm', 'compat.global_clipnorm', compat.global_clipnorm),
+        ('get_slot', 'compat.get_slot', compat.get_slot),
+        ('get_slot_names', 'compat.get_slot_names', compat.get_slot_names),
+        ('global_step', 'compat.global_step', compat.global_step),
+        ('per_pattern_lr', 'compat.per_pattern_lr', compat.per_pattern_lr),
+    )
+}
+
+__getattr__ = _deprecations.moved_names_getattr(__name__, _MOVED)

@@ -3,6 +3,12 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+# Subprocesses (the 8-device checks, the guides' snippets) import the package
+# of this checkout, as this process does, not whichever copy is installed.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ['PYTHONPATH'] = os.pathsep.join(
+    p for p in (_ROOT, os.environ.get('PYTHONPATH')) if p)
+
 
 _XLA_FLAGS = os.environ.get('XLA_FLAGS', '')
 

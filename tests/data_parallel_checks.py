@@ -2,7 +2,7 @@
 
 Run as a script (XLA_FLAGS must be set before JAX starts, so the test runs
 it in a process of its own). Each device differentiates its slice of the
-batch; `tree_psum`/`tree_pmean` combine the gradients, and the step must equal
+batch; `lazy_optax.tree.psum`/`pmean` combine the gradients, and the step must equal
 one device's step on the whole batch. A raw `lax.psum` of the same gradients
 damages the ids: no row is written.
 
@@ -57,8 +57,8 @@ def main():
       return lazy_optax.apply_updates(params, updates), state
     return step
 
-  for name, combine, scale in (('psum', lazy_optax.tree_psum, 1.0),
-                               ('pmean', lazy_optax.tree_pmean, 1.0 / 8)):
+  for name, combine, scale in (('psum', lazy_optax.tree.psum, 1.0),
+                               ('pmean', lazy_optax.tree.pmean, 1.0 / 8)):
     # One device, whole batch (the pmean loss is the mean of 8 slice sums).
     whole = lambda p, i, t, s=scale: s * loss_fn(p, i, t)
     _, grads = lazy_optax.value_and_grad(whole)(params, ids, targets)
@@ -111,7 +111,7 @@ def reduced_values_are_refused(mesh, params, ids_split):
     zeros = jnp.zeros(ids.shape + (D,))         # replicated: not varying
     values = jax.grad(lambda z: jnp.sum((z + 1.0) ** 2))(zeros)
     g = {'t': lazy_optax.SparseRows(ids, values, V)}
-    return lazy_optax.tree_pmean(g, 'batch')['t'].to_dense()
+    return lazy_optax.tree.pmean(g, 'batch')['t'].to_dense()
 
   sharded = jax.jit(jax.shard_map(step, mesh=mesh,
                                   in_specs=(P(), P('batch')), out_specs=P()))

@@ -17,20 +17,14 @@ import pathlib
 import re
 import sys
 
-MODE = sys.argv[1]
-os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=' + (
-    '8' if MODE == 'mesh' else '2')
+if __name__ == '__main__':  # not when pytest imports this file for doctests
+  os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=' + (
+      '8' if sys.argv[1] == 'mesh' else '2')
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import jax
-
-if MODE == 'process':
-  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-  jax.distributed.initialize(f'127.0.0.1:{sys.argv[3]}', num_processes=2,
-                             process_id=int(sys.argv[2]))
-
 import functools
 
+import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -50,7 +44,7 @@ OPTIMIZERS = {
 
 def _train(tx, table, batches, mesh):
   params = {'table': table}
-  state = (lazy_optax.init_sharded(tx, params) if mesh is not None
+  state = (lazy_optax.sharding.init_sharded(tx, params) if mesh is not None
            else tx.init(params))
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
@@ -87,7 +81,7 @@ def mesh_check():
       tx = make()
       choice = lazy_optax.explain_update(
           tx, {'table': lazy_optax.SparseRows(*batches[0], num_rows)},
-          lazy_optax.init_sharded(tx, {'table': sharded_table}),
+          lazy_optax.sharding.init_sharded(tx, {'table': sharded_table}),
           {'table': sharded_table})['table']
       assert choice.impl == 'cpu_kernel', choice
       params, state, hlo = _train(tx, sharded_table, batches, mesh)
@@ -133,4 +127,10 @@ def process_check():
 
 
 if __name__ == '__main__':
-  mesh_check() if MODE == 'mesh' else process_check()
+  if sys.argv[1] == 'mesh':
+    mesh_check()
+  else:
+    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+    jax.distributed.initialize(f'127.0.0.1:{sys.argv[3]}', num_processes=2,
+                               process_id=int(sys.argv[2]))
+    process_check()

@@ -1,4 +1,14 @@
-"""Float64 numpy models of the update rules, independent of lazy_optax."""
+"""Float64 numpy models of the update rules, independent of lazy_optax.
+
+Each model holds one table and applies a step to the rows given: ids are
+deduplicated (values of repeated ids summed), out-of-range ids dropped, and
+rows not given stay as they were. A dense step is a step with every row id.
+Written from the rules' public descriptions: TensorFlow's LazyAdam (epsilon
+hat), optax's Adam, FBGEMM's `fbgemm_gpu/codegen/genscript/optimizers.py`
+(rowwise_adagrad, partial_rowwise_adam), TensorFlow's `ApplyFtrlV2`
+documentation (with Keras' `beta` as an added L2 strength of
+`beta / (2 * lr)`), and `adam_with_counter`'s module docstring.
+"""
 
 from __future__ import annotations
 
@@ -52,3 +62,193 @@ def optax_adam_rows(p, m, v, t, g, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
   m_hat = m / (1 - b1 ** t)
   v_hat = v / (1 - b2 ** t)
   return p - lr * m_hat / (np.sqrt(v_hat) + eps), m, v
+
+
+def summed_rows(ids, values, num_rows):
+  """{row id: summed float64 gradient row} for the in-range ids."""
+  ids = np.asarray(ids)
+  values = np.asarray(values, np.float64)
+  summed = {}
+  for i, g in zip(ids, values):
+    i = int(i)
+    if 0 <= i < num_rows:
+      summed[i] = summed.get(i, 0) + g
+  return summed
+
+
+def _row_mean_square(g):
+  g = np.asarray(g)
+  return float(np.mean(g * g)) if g.ndim else float(g * g)
+
+
+class RowwiseAdagrad:
+  """FBGEMM's EXACT_ROWWISE_ADAGRAD on the touched rows.
+
+  G_r += mean(g_r'^2); w_r <- c * w_r - lr * g_r / (sqrt(G_r) + eps), with
+  g_r' = g_r + wd * w_r and c = 1 - lr * wd / (sqrt(G_r) + eps) in 'l2' mode
+  (so w_r -= lr * g_r' / (sqrt(G_r) + eps)), g_r' = g_r and c = 1 - lr * wd
+  in 'decoupled' mode, and g_r' = g_r, c = 1 in 'none' mode.
+  """
+
+  def __init__(self, table, lr=0.1, eps=1e-8, weight_decay=0.0, mode='none',
+               initial_accumulator_value=0.0):
+    self.p = np.array(table, np.float64)
+    self.g2 = np.full(self.p.shape[:1], initial_accumulator_value,
+                      np.float64)
+    self.lr, self.eps, self.wd, self.mode = lr, eps, weight_decay, mode
+    self.t = 0
+
+  def step(self, ids, values, lr=None):
+    lr = self.lr if lr is None else lr
+    self.t += 1
+    summed = summed_rows(ids, values, self.p.shape[0])
+    for r, g in summed.items():
+      w = self.p[r]
+      g_acc = g + self.wd * w if self.mode == 'l2' else g
+      self.g2[r] += _row_mean_square(g_acc)
+      multiplier = lr / (np.sqrt(self.g2[r]) + self.eps)
+      if self.mode == 'l2':
+        correction = 1 - multiplier * self.wd
+      elif self.mode == 'decoupled':
+        correction = 1 - lr * self.wd
+      else:
+        correction = 1.0
+      self.p[r] = correction * w - multiplier * g
+    return sorted(summed)
+
+
+class PartialRowwiseAdam:
+  """FBGEMM's PARTIAL_ROWWISE_ADAM on the touched rows (global step t).
+
+  m_r = b1 m_r + (1-b1) g_r; v_r = b2 v_r + (1-b2) mean(g_r^2);
+  w_r -= lr * (m_r/(1-b1^t) / (sqrt(v_r/(1-b2^t)) + eps) + wd * w_r).
+  """
+
+  def __init__(self, table, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8,
+               weight_decay=0.0):
+    self.p = np.array(table, np.float64)
+    self.m = np.zeros_like(self.p)
+    self.v = np.zeros(self.p.shape[:1], np.float64)
+    self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
+    self.wd = weight_decay
+    self.t = 0
+
+  def step(self, ids, values):
+    self.t += 1
+    summed = summed_rows(ids, values, self.p.shape[0])
+    for r, g in summed.items():
+      self.m[r] = self.b1 * self.m[r] + (1 - self.b1) * g
+      self.v[r] = self.b2 * self.v[r] + (1 - self.b2) * _row_mean_square(g)
+      m_hat = self.m[r] / (1 - self.b1 ** self.t)
+      v_hat = self.v[r] / (1 - self.b2 ** self.t)
+      self.p[r] = self.p[r] - self.lr * (
+          m_hat / (np.sqrt(v_hat) + self.eps) + self.wd * self.p[r])
+    return sorted(summed)
+
+
+class Ftrl:
+  """TensorFlow's ApplyFtrlV2 per entry of the touched rows.
+
+  g_s = g + 2 l2_shrinkage w; n' = n + g^2; z += g_s - (n'^p - n^p)/lr * w;
+  q = n'^p / lr + 2 (l2 + beta / (2 lr)); w = (sign(z) l1 - z)/q if |z| > l1
+  else 0; with p = -learning_rate_power.
+  """
+
+  def __init__(self, table, lr=0.1, lr_power=-0.5,
+               initial_accumulator_value=0.1, l1=0.0, l2=0.0,
+               l2_shrinkage=0.0, beta=0.0):
+    self.p = np.array(table, np.float64)
+    self.n = np.full_like(self.p, initial_accumulator_value)
+    self.z = np.zeros_like(self.p)
+    self.lr, self.power = lr, -lr_power
+    self.l1, self.l2, self.l2_shrinkage, self.beta = l1, l2, l2_shrinkage, beta
+    self.t = 0
+
+  def step(self, ids, values, lr=None):
+    lr = self.lr if lr is None else lr
+    self.t += 1
+    summed = summed_rows(ids, values, self.p.shape[0])
+    l2 = self.l2 + self.beta / (2 * lr)
+    for r, g in summed.items():
+      w, n = self.p[r], self.n[r]
+      g_s = g + 2 * self.l2_shrinkage * w
+      n_new = n + g * g
+      self.z[r] = self.z[r] + g_s - (n_new ** self.power
+                                     - n ** self.power) / lr * w
+      q = n_new ** self.power / lr + 2 * l2
+      z = self.z[r]
+      self.p[r] = np.where(np.abs(z) > self.l1,
+                           (np.sign(z) * self.l1 - z) / q, 0.0)
+      self.n[r] = n_new
+    return sorted(summed)
+
+
+class AdamWithCounter:
+  """`adam_with_counter`'s rule on one table (per-row step counters).
+
+  Per touched row, with t the global step and `since = t - last_step`:
+  catch-up decays m, v by b^(since - 1); n is the row's count ('per_row')
+  or t ('global'); p -= lr_n * m / (sqrt(v) + eps) + decay * p, with decay
+  lr * wd, or 1 - (1 - lr * wd)^since over skipped steps.
+  """
+
+  def __init__(self, table, lr, b1=0.9, b2=0.999, eps=1e-8,
+               bias_correction='per_row', catch_up=False, weight_decay=0.0,
+               decay_skipped_steps=False):
+    self.p = np.array(table, np.float64)
+    self.m = np.zeros_like(self.p)
+    self.v = np.zeros_like(self.p)
+    self.row_count = np.zeros(self.p.shape[0], np.int64)
+    self.last_step = np.zeros(self.p.shape[0], np.int64)
+    self.t = 0
+    self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
+    self.bias_correction, self.catch_up = bias_correction, catch_up
+    self.wd, self.decay_skipped = weight_decay, decay_skipped_steps
+
+  def step(self, ids, values):
+    b1, b2 = self.b1, self.b2
+    self.t += 1
+    summed = summed_rows(ids, values, self.p.shape[0])
+    for i, g in summed.items():
+      since = self.t - self.last_step[i]
+      if self.catch_up:
+        if self.row_count[i] > 0:
+          self.m[i] *= b1 ** (since - 1)
+          self.v[i] *= b2 ** (since - 1)
+          self.row_count[i] += since
+        else:
+          self.row_count[i] = 1
+      else:
+        self.row_count[i] += 1
+      self.m[i] = b1 * self.m[i] + (1 - b1) * g
+      self.v[i] = b2 * self.v[i] + (1 - b2) * g * g
+      n = self.row_count[i] if self.bias_correction == 'per_row' else self.t
+      lr_n = self.lr * np.sqrt(1 - b2 ** n) / (1 - b1 ** n)
+      decay = self.lr * self.wd
+      if self.decay_skipped:
+        decay = 1 - (1 - self.lr * self.wd) ** since
+      self.p[i] = (self.p[i] - lr_n * self.m[i] / (np.sqrt(self.v[i]) +
+                                                    self.eps)
+                   - decay * self.p[i])
+      self.last_step[i] = self.t
+    return sorted(summed)
+
+
+class OptaxAdam:
+  """optax.adam's formulation on the touched rows of one table (global t)."""
+
+  def __init__(self, table, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
+    self.p = np.array(table, np.float64)
+    self.m = np.zeros_like(self.p)
+    self.v = np.zeros_like(self.p)
+    self.lr, self.b1, self.b2, self.eps = lr, b1, b2, eps
+    self.t = 0
+
+  def step(self, ids, values):
+    self.t += 1
+    summed = summed_rows(ids, values, self.p.shape[0])
+    for r, g in summed.items():
+      self.p[r], self.m[r], self.v[r] = optax_adam_rows(
+          self.p[r], self.m[r], self.v[r], self.t, g, self.lr, self.b1,
+          self.b2, self.eps)
+    return sorted(summed)

@@ -1,13 +1,23 @@
-"""Checks of lazy_adam on row-sharded tables, on 8 simulated CPU devices.
+"""Checks on row-sharded tables, on 8 simulated CPU devices.
 
-Run by tests/test_sharding.py and tests/test_checkpoint.py in a subprocess,
-since XLA_FLAGS must be set before jax is imported:
+Run in a subprocess (XLA_FLAGS must name the device count before jax is
+imported) by the tests, through `run_checks`:
 
-    python3 tests/sharded_checks.py equivalence|traffic|checkpoint DIR
+    python3 tests/sharded_checks.py MODE [DIR]
 
-Each mode raises on a failed check and prints one JSON line of measurements.
-`traffic` prints, per device and per step, what the compiled program stores
-(memory analysis) and sends (the collectives in its HLO).
+MODE is one of
+  conformance  every optimizer of tests/optimizer_cases.py (CASES): the
+               sharded step equals the one-device step and the float64
+               model, keeps its shardings (Auto and Explicit meshes), and
+               resumes bit for bit from a sharded orbax checkpoint. Prints
+               one JSON object with a result (or the error) per optimizer.
+  duplicates   an id sent by both data shards is summed before the update.
+  traffic      per device and step, what the compiled program stores
+               (memory analysis) and sends (the collectives in its HLO).
+  stochastic   stochastic rounding gives the same bits as on one device.
+
+Each mode prints one JSON line (and raises on a failed check, except
+`conformance`, which reports each optimizer's failure in its JSON).
 """
 
 import os
@@ -19,23 +29,42 @@ if __name__ == '__main__':  # not when pytest imports this file for doctests
 
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import re
+import subprocess
 import sys
+import traceback
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import lazy_optax  # pylint: disable=g-import-not-at-top
+import optimizer_cases  # pylint: disable=g-import-not-at-top
 from reference import TFLazyAdam  # pylint: disable=g-import-not-at-top
+
+import lazy_optax  # pylint: disable=g-import-not-at-top
 
 D = 3          # row size in the equivalence checks
 DATA, ROWS = 2, 4
+NUM_ROWS, STEPS, N_IDS = 64, 6, 16
 
 
-def make_mesh(axis_type):
+def run_checks(mode, directory=''):
+  """Runs one mode in a subprocess with 8 CPU devices; returns its JSON."""
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  env.pop('JAX_ENABLE_X64', None)
+  proc = subprocess.run(
+      [sys.executable, os.path.abspath(__file__), mode, str(directory)],
+      env=env, capture_output=True, text=True, timeout=900)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def make_mesh(axis_type=AxisType.Auto):
   assert len(jax.devices()) == 8, jax.devices()
   return jax.make_mesh((DATA, ROWS), ('data', 'rows'),
                        axis_types=(axis_type, axis_type))
@@ -75,24 +104,27 @@ def assert_same_shardings(before, after):
     assert s0.is_equivalent_to(s1, ndim), (s0, s1)
 
 
-def check_equivalence(axis_type, tx_name):
-  """Sharded step == one-device step == float64 model; shardings kept."""
-  num_rows, steps, n_ids = 64, 6, 16
+def _put_batch(mesh, ids, values):
+  return (jax.device_put(ids, NamedSharding(mesh, P('data'))),
+          jax.device_put(values, NamedSharding(mesh, P('data', None))))
+
+
+def check_optimizer(case, axis_type, directory):
+  """Sharded == one device == float64 model; shardings kept; orbax resume."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  slots = [s.name for s in case.slots]
   rng = np.random.default_rng(0)
-  table = rng.normal(size=(num_rows, D)).astype(np.float32)
-  data = list(batches(rng, num_rows, steps, n_ids))
-  make_tx = {
-      'lazy_adam': lambda: lazy_optax.lazy_adam(0.05),
-      'lazy(optax.adam)': lambda: lazy_optax.lazy(optax.adam(0.05)),
-  }[tx_name]
+  table = (case.table_scale * rng.normal(size=(NUM_ROWS, D))).astype(
+      np.float32)
+  data = list(batches(rng, NUM_ROWS, STEPS, N_IDS))
 
   # One device.
-  tx = make_tx()
+  tx = case.make()
   dev0 = jax.devices()[0]
   params1 = jax.device_put({'table': table, 'w': np.zeros(D, np.float32)},
                            dev0)
   state1 = tx.init(params1)
-  step1 = jax.jit(train_step(tx, num_rows))
+  step1 = jax.jit(train_step(tx, NUM_ROWS))
   for ids, values in data:
     params1, state1 = step1(params1, state1, jax.device_put(ids, dev0),
                             jax.device_put(values, dev0))
@@ -100,37 +132,85 @@ def check_equivalence(axis_type, tx_name):
   # Eight devices: table rows over 'rows', batch over 'data'.
   mesh = make_mesh(axis_type)
   row_sharded = NamedSharding(mesh, P('rows', None))
-  replicated = NamedSharding(mesh, P())
-  params = {'table': jax.device_put(table, row_sharded),
-            'w': jax.device_put(np.zeros(D, np.float32), replicated)}
-  tx = make_tx()
-  state = lazy_optax.init_sharded(tx, params)
-  mu = optax.tree_utils.tree_get(state, 'mu')['table']
-  assert mu.sharding == row_sharded, mu.sharding
-  assert optax.tree_utils.tree_get(state, 'count').sharding == replicated
-  before = shardings_of((params, state))
-  step = jax.jit(train_step(tx, num_rows), donate_argnums=(0, 1))
-  for ids, values in data:
-    ids = jax.device_put(ids, NamedSharding(mesh, P('data')))
-    values = jax.device_put(values, NamedSharding(mesh, P('data', None)))
-    params, state = step(params, state, ids, values)
-    assert_same_shardings(before, shardings_of((params, state)))
 
+  def fresh():
+    return {'table': jax.device_put(table, row_sharded),
+            'w': jax.device_put(np.zeros(D, np.float32),
+                                NamedSharding(mesh, P()))}
+
+  tx = case.make()
+  step = jax.jit(train_step(tx, NUM_ROWS), donate_argnums=(0, 1))
+
+  def go(params, state, part, keep_shardings=False):
+    before = shardings_of((params, state))
+    for ids, values in part:
+      params, state = step(params, state, *_put_batch(mesh, ids, values))
+      if keep_shardings:
+        assert_same_shardings(before, shardings_of((params, state)))
+    return params, state
+
+  params = fresh()
+  state = lazy_optax.sharding.init_sharded(tx, params)
+  for name in slots:
+    leaf = lazy_optax.compat.get_slot(state, 'table', name)
+    assert leaf.sharding.spec[0] == 'rows', (name, leaf.sharding)
+  assert lazy_optax.compat.global_step(state).sharding.spec == P()
+  params, state = go(params, state, data, keep_shardings=True)
+  for name in slots:
+    leaf = lazy_optax.compat.get_slot(state, 'table', name)
+    assert leaf.sharding.spec[0] == 'rows', (name, leaf.sharding)
   # float32 reduction order differs between the layouts: a few ulps.
   for a, b in zip(jax.tree.leaves((params, state)),
                   jax.tree.leaves((params1, state1))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-6,
                                atol=1e-7)
+  model = case.reference(table)
+  for ids, values in data:
+    model.step(ids, values)
+  optimizer_cases.assert_matches_model(case, params, state, model)
+  if axis_type != AxisType.Auto:
+    return {'steps': STEPS, 'slots': slots}
 
-  if tx_name == 'lazy_adam':
-    ref = TFLazyAdam(table, lr=0.05)
-    for ids, values in data:
-      ref.step(ids, values)
-    np.testing.assert_allclose(np.asarray(params['table']), ref.p, rtol=2e-5,
-                               atol=1e-6)
-    nu = optax.tree_utils.tree_get(state, 'nu')['table']
-    np.testing.assert_allclose(np.asarray(nu), ref.v, rtol=2e-5, atol=1e-9)
-  return {'steps': steps, 'ids_per_step': n_ids}
+  # orbax: save after half the steps, restore into sharded targets, finish.
+  half = STEPS // 2
+  p, s = go(fresh(), lazy_optax.sharding.init_sharded(tx, fresh()),
+            data[:half])
+  path = os.path.join(directory,
+                      'sharded_' + re.sub(r'\W', '_', case.name))
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, {'params': p, 'opt_state': s})
+  del p, s
+  params_abs = jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+      fresh())
+  state_abs = jax.tree.map(
+      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+      jax.eval_shape(tx.init, params_abs),
+      lazy_optax.sharding.state_shardings(tx, params_abs))
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(path, {'params': params_abs,
+                                    'opt_state': state_abs})
+  for name in slots:
+    leaf = lazy_optax.compat.get_slot(restored['opt_state'], 'table', name)
+    assert leaf.sharding.spec[0] == 'rows', (name, leaf.sharding)
+  assert restored['params']['table'].sharding.is_equivalent_to(row_sharded, 2)
+  resumed = go(restored['params'], restored['opt_state'], data[half:])
+  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves((params, state))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  return {'steps': STEPS, 'slots': slots, 'resumed_after': half}
+
+
+def check_conformance(directory):
+  """Every case of optimizer_cases.CASES, on Auto and Explicit meshes."""
+  out = {}
+  for case in optimizer_cases.CASES:
+    for axis_type in (AxisType.Auto, AxisType.Explicit):
+      key = f'{case.name} {axis_type.name}'
+      try:
+        out[key] = check_optimizer(case, axis_type, directory)
+      except Exception:  # pylint: disable=broad-except
+        out[key] = {'error': traceback.format_exc()[-4000:]}
+  return out
 
 
 def check_cross_shard_duplicates(axis_type):
@@ -142,7 +222,7 @@ def check_cross_shard_duplicates(axis_type):
             'w': jax.device_put(np.zeros(D, np.float32),
                                 NamedSharding(mesh, P()))}
   tx = lazy_optax.lazy_adam(0.1)
-  state = lazy_optax.init_sharded(tx, params)
+  state = lazy_optax.sharding.init_sharded(tx, params)
   # Shard 0 holds ids [0..7], shard 1 holds [8..15]; id 41 is on both, with
   # gradients of opposite sign and different size, id 9 only on shard 0.
   ids = np.array([41, 9, 2, 3, 4, 5, 6, 7, 41, 10, 11, 12, 13, 14, 15, 16],
@@ -166,6 +246,47 @@ def check_cross_shard_duplicates(axis_type):
   mu = np.asarray(optax.tree_utils.tree_get(state, 'mu')['table'])
   np.testing.assert_allclose(mu[41], 0.1 * (values[0] + values[8]), rtol=1e-6)
   return {}
+
+
+def check_stochastic(directory):
+  """Stochastic rounding gives the same bits on 8 devices as on one."""
+  del directory
+  num_rows, d = 64, 8
+  rng = np.random.default_rng(1)
+  table = (1 + rng.random((num_rows, d))).astype(jnp.bfloat16)
+  ids = rng.permutation(num_rows)[:16].astype(np.int32)
+  values = (1e-3 * rng.normal(size=(16, d))).astype(np.float32)
+  dense = (1e-3 * rng.normal(size=(num_rows, d))).astype(np.float32)
+  key = jax.random.key(7)
+
+  def apply(params, ids, values, dense):
+    updates = {'table': lazy_optax.SparseRows(ids, values, num_rows),
+               'other': dense}
+    return lazy_optax.precision.apply_updates_stochastic(
+        params, updates, key=key, step=3)
+
+  dev0 = jax.devices()[0]
+  one = jax.jit(apply)(jax.device_put({'table': table, 'other': table}, dev0),
+                       ids, values, dense)
+  out = {}
+  for axis_type in (AxisType.Auto, AxisType.Explicit):
+    mesh = make_mesh(axis_type)
+    rows = NamedSharding(mesh, P('rows', None))
+    params = {'table': jax.device_put(table, rows),
+              'other': jax.device_put(table, rows)}
+    many = jax.jit(apply, donate_argnums=0)(
+        params, jax.device_put(ids, NamedSharding(mesh, P('data'))),
+        jax.device_put(values, NamedSharding(mesh, P('data', None))),
+        jax.device_put(dense, rows))
+    for name in ('table', 'other'):
+      np.testing.assert_array_equal(
+          np.asarray(many[name]).view(np.uint16),
+          np.asarray(one[name]).view(np.uint16))
+      assert many[name].sharding.spec[0] == 'rows', many[name].sharding
+    changed = int(np.sum(np.asarray(many['table'] != table).any(axis=1)))
+    out[axis_type.name] = {'rows_changed': changed}
+    assert changed <= 16
+  return out
 
 
 # -- what the compiled program sends and stores --------------------------------
@@ -204,7 +325,7 @@ def compiled_step(axis_type, num_rows, n_ids, row_size=64):
             'w': jax.ShapeDtypeStruct((row_size,), jnp.float32,
                                       sharding=NamedSharding(mesh, P()))}
   tx = lazy_optax.lazy_adam(1e-3)
-  shardings = lazy_optax.state_shardings(tx, params)
+  shardings = lazy_optax.sharding.state_shardings(tx, params)
   state = jax.tree.map(
       lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
       jax.eval_shape(tx.init, params), shardings)
@@ -257,78 +378,19 @@ def check_traffic(axis_type):
   return {f'{k[0]}x64 rows, {k[1]} ids': v for k, v in rows.items()}
 
 
-def check_checkpoint(directory):
-  """Save a sharded state with orbax, restore into eval_shape, continue."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  num_rows, steps, n_ids = 64, 6, 16
-  rng = np.random.default_rng(3)
-  table = rng.normal(size=(num_rows, D)).astype(np.float32)
-  data = list(batches(rng, num_rows, steps, n_ids))
-  mesh = make_mesh(AxisType.Auto)
-  row_sharded = NamedSharding(mesh, P('rows', None))
-
-  def fresh():
-    return {'table': jax.device_put(table, row_sharded),
-            'w': jax.device_put(np.zeros(D, np.float32),
-                                NamedSharding(mesh, P()))}
-
-  tx = lazy_optax.lazy_adam(0.05)
-  step = jax.jit(train_step(tx, num_rows))
-
-  def run(params, state, batch_list):
-    for ids, values in batch_list:
-      params, state = step(
-          params, state, jax.device_put(ids, NamedSharding(mesh, P('data'))),
-          jax.device_put(values, NamedSharding(mesh, P('data', None))))
-    return params, state
-
-  params0 = fresh()
-  straight = run(params0, lazy_optax.init_sharded(tx, params0), data)
-
-  params, state = run(fresh(), lazy_optax.init_sharded(tx, fresh()),
-                      data[:3])
-  path = os.path.join(directory, 'sharded')
-  with ocp.StandardCheckpointer() as ckptr:
-    ckptr.save(path, {'params': params, 'opt_state': state})
-  del params, state
-
-  # Restore into abstract targets carrying the shardings.
-  params_abs = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
-      fresh())
-  state_abs = jax.tree.map(
-      lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-      jax.eval_shape(tx.init, params_abs),
-      lazy_optax.state_shardings(tx, params_abs))
-  with ocp.StandardCheckpointer() as ckptr:
-    restored = ckptr.restore(path, {'params': params_abs,
-                                    'opt_state': state_abs})
-  params, state = restored['params'], restored['opt_state']
-  mu = optax.tree_utils.tree_get(state, 'mu')['table']
-  assert mu.sharding.is_equivalent_to(row_sharded, 2), mu.sharding
-  assert params['table'].sharding.is_equivalent_to(row_sharded, 2)
-  resumed = run(params, state, data[3:])
-  for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  return {'steps_before': 3, 'steps_after': steps - 3}
-
-
 def main(argv):
   mode = argv[1]
-  if mode == 'equivalence':
-    out = {}
-    configs = ((AxisType.Auto, ('lazy_adam', 'lazy(optax.adam)')),
-               (AxisType.Explicit, ('lazy_adam',)))
-    for axis_type, names in configs:
-      for name in names:
-        out[f'{axis_type.name} {name}'] = check_equivalence(axis_type, name)
-      out[f'{axis_type.name} duplicates'] = check_cross_shard_duplicates(
-          axis_type)
+  directory = argv[2] if len(argv) > 2 else ''
+  if mode == 'conformance':
+    out = check_conformance(directory)
+  elif mode == 'duplicates':
+    out = {axis_type.name: check_cross_shard_duplicates(axis_type)
+           for axis_type in (AxisType.Auto, AxisType.Explicit)}
   elif mode == 'traffic':
     out = {axis_type.name: check_traffic(axis_type)
            for axis_type in (AxisType.Auto, AxisType.Explicit)}
-  elif mode == 'checkpoint':
-    out = check_checkpoint(argv[2])
+  elif mode == 'stochastic':
+    out = check_stochastic(directory)
   else:
     raise SystemExit(f'unknown mode {mode!r}')
   print(json.dumps(out))

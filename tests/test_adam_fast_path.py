@@ -62,8 +62,8 @@ def test_fast_path_equals_plain_lazy(impl, kind, kw):
     p_plain, s_plain, u_plain = step(p_plain, s_plain, ids, values, gw, False)
     # Updates compared densified (the same rows, whatever the slot order).
     dense = functools.partial(jax.tree.map, lambda x: x.to_dense() if
-                              lazy_optax.is_sparse_rows(x) else x,
-                              is_leaf=lazy_optax.is_sparse_rows)
+                              lazy_optax.tree.is_sparse_rows(x) else x,
+                              is_leaf=lazy_optax.tree.is_sparse_rows)
     for a, b in zip(jax.tree.leaves((p_fast, s_fast, dense(u_fast))),
                     jax.tree.leaves((p_plain, s_plain, dense(u_plain)))):
       assert a.dtype == b.dtype and a.shape == b.shape

@@ -1,4 +1,8 @@
-"""Optimizer states through orbax-checkpoint, and lazy <-> dense switching."""
+"""Switching between lazy and dense Adam through an orbax checkpoint.
+
+Every optimizer's state resuming bit for bit from a checkpoint, on one device
+and on 8: tests/test_conformance.py.
+"""
 
 import os
 
@@ -8,10 +12,9 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from reference import optax_adam_rows
 
 import lazy_optax
-from reference import optax_adam_rows
-from test_sharding import run_checks
 
 NUM_ROWS, D = 40, 3
 
@@ -49,65 +52,6 @@ def _save(path, tree):
 def _restore(path, target):
   with ocp.StandardCheckpointer() as ckptr:
     return ckptr.restore(path, target)
-
-
-_OPTIMIZERS = {
-    'lazy_adam': lambda: lazy_optax.lazy_adam(0.05, amsgrad=True),
-    'lazy(optax.adam)+schedule': lambda: lazy_optax.lazy(optax.chain(
-        optax.clip_by_global_norm(1.0),
-        optax.inject_hyperparams(optax.adam)(
-            learning_rate=optax.linear_schedule(0.1, 0.01, 6)))),
-    'lazy_adamw': lambda: lazy_optax.lazy_adamw(0.05, weight_decay=0.1),
-}
-
-
-@pytest.mark.parametrize('name', list(_OPTIMIZERS))
-def test_resume_is_bit_for_bit(tmp_path, name):
-  data = _batches(1, 6)
-  tx = _OPTIMIZERS[name]()
-  step = _sparse_step(tx)
-  params = _params()
-  state = tx.init(params)
-  for ids, values in data:
-    params, state = step(params, state, ids, values)
-  straight = (params, state)
-
-  params = _params()
-  state = tx.init(params)
-  for ids, values in data[:3]:
-    params, state = step(params, state, ids, values)
-  path = os.path.join(tmp_path, 'ckpt')
-  _save(path, {'params': params, 'opt_state': state})
-  del params, state
-
-  # A new process would know only the parameters' shapes.
-  params_abs = jax.eval_shape(_params)
-  target = {'params': params_abs,
-            'opt_state': jax.eval_shape(tx.init, params_abs)}
-  restored = _restore(path, target)
-  assert (jax.tree.structure(restored['opt_state'])
-          == jax.tree.structure(target['opt_state']))
-  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
-    assert (got.shape, got.dtype) == (want.shape, want.dtype)
-  params, state = restored['params'], restored['opt_state']
-  step = _sparse_step(tx)  # a fresh compilation, as after a restart
-  for ids, values in data[3:]:
-    params, state = step(params, state, ids, values)
-
-  counts = [c for _, c in optax.tree_utils.tree_get_all_with_path(
-      state, 'count')]
-  assert counts and all(int(c) == 6 for c in counts)
-  for got, want in zip(jax.tree.leaves((params, state)),
-                       jax.tree.leaves(straight)):
-    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-
-
-def test_sharded_state_checkpoint(tmp_path):
-  # 8 simulated devices: table, mu and nu sharded by rows; saved after 3
-  # steps, restored into eval_shape targets with the shardings, 3 more steps
-  # equal bit for bit to 6 uninterrupted steps.
-  out = run_checks('checkpoint', str(tmp_path))
-  assert out == {'steps_before': 3, 'steps_after': 3}
 
 
 def _dense_grad(ids, values):

@@ -28,7 +28,7 @@ def _step(tx, num_rows):
   return step
 
 
-_LABELS = lazy_optax.path_labels(
+_LABELS = lazy_optax.tree.path_labels(
     lambda name: 'tables' if name == 'table' else 'rest')
 
 # Every composition that the docs show around lazy_adam's rule.

@@ -103,7 +103,7 @@ def test_donated_filter_jit_step_trains_and_keeps_unseen_rows(optimizer):
   else:
     tx = optax.partition(
         {'tables': lazy_optax.lazy_adam(0.05), 'rest': optax.adamw(0.05)},
-        lazy_optax.path_labels(
+        lazy_optax.tree.path_labels(
             lambda name: 'tables' if name == 'embed/weight' else 'rest'))
   opt_state = tx.init(eqx.filter(model, eqx.is_array))
   traces = []
@@ -145,11 +145,11 @@ def test_the_step_donates_the_table():
 
   batch = next(_data(2))
   with pytest.warns(UserWarning, match='not donated'):
-    assert not lazy_optax.warn_if_not_donated(eqx.filter_jit(step), batch,
+    assert not lazy_optax.perf.warn_if_not_donated(eqx.filter_jit(step), batch,
                                               model, opt_state)
   with warnings.catch_warnings():
     warnings.simplefilter('error')
-    assert lazy_optax.warn_if_not_donated(
+    assert lazy_optax.perf.warn_if_not_donated(
         eqx.filter_jit(step, donate='all-except-first'), batch, model,
         opt_state)
 

@@ -148,7 +148,7 @@ def test_linen_train_state_with_partition_trains_and_keeps_unseen_rows():
   before = np.asarray(params['embed']['embedding']).copy()
   tx = optax.partition(
       {'tables': lazy_optax.lazy_adam(0.05), 'rest': optax.adamw(0.05)},
-      lazy_optax.path_labels(_label))
+      lazy_optax.tree.path_labels(_label))
   state = train_state.TrainState.create(apply_fn=model.apply, params=params,
                                         tx=tx)
   loss_fn = _linen_loss(model)
@@ -246,7 +246,7 @@ def test_nnx_optimizer_trains_under_jit_and_keeps_unseen_rows():
   before = np.asarray(model.embed.embedding[...]).copy()
   tx = optax.partition(
       {'tables': lazy_optax.lazy_adam(0.05), 'rest': optax.adamw(0.05)},
-      lazy_optax.path_labels(_label))
+      lazy_optax.tree.path_labels(_label))
   optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
 

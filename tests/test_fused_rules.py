@@ -12,12 +12,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from lean_reference import Ftrl
-from lean_reference import PartialRowwiseAdam
-from lean_reference import RowwiseAdagrad
 import numpy as np
 import optax
 import pytest
+from reference import Ftrl
+from reference import PartialRowwiseAdam
+from reference import RowwiseAdagrad
 from reference import TFLazyAdam
 
 import lazy_optax
@@ -243,7 +243,7 @@ def test_stochastic_rounding_in_the_kernel_draws_the_same_bits(monkeypatch):
 
   def apply(table, ids, values, step):
     updates = {'t': lazy_optax.SparseRows(ids, values, num_rows)}
-    return lazy_optax.apply_updates_stochastic(
+    return lazy_optax.precision.apply_updates_stochastic(
         {'t': table}, updates, key=jax.random.key(42), step=step)['t']
 
   kernel = jax.jit(apply)

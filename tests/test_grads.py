@@ -211,7 +211,7 @@ def test_plain_jax_train_step_trains_and_leaves_other_rows():
   before = np.asarray(params['table']).copy()
   tx = optax.partition(
       {'rows': lazy_optax.lazy_adam(0.05), 'rest': optax.adamw(0.05)},
-      lazy_optax.path_labels(lambda n: 'rows' if n == 'table' else 'rest'))
+      lazy_optax.tree.path_labels(lambda n: 'rows' if n == 'table' else 'rest'))
   opt_state = tx.init(params)
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))

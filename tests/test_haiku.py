@@ -125,7 +125,7 @@ def test_opt_update_without_params_trains_and_keeps_unseen_rows(partitioned):
   if partitioned:
     opt = optax.partition(
         {'tables': lazy_optax.lazy_adam(0.05), 'rest': optax.adam(0.05)},
-        lazy_optax.path_labels(
+        lazy_optax.tree.path_labels(
             lambda n: 'tables' if n.endswith('embeddings') else 'rest'))
   else:
     opt = lazy_optax.lazy_adam(0.05)

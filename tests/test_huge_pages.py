@@ -49,7 +49,7 @@ def test_values_unchanged_and_pages_huge():
   rng = np.random.default_rng(0)
   host = rng.normal(size=(200_000, 16)).astype(np.float32)  # 12.2 MiB
   table = jnp.array(host)
-  n = lazy_optax.advise_huge_pages({'table': table})
+  n = lazy_optax.perf.advise_huge_pages({'table': table})
   np.testing.assert_array_equal(np.asarray(table), host)
   if not _collapse_expected():
     assert n == 0
@@ -63,18 +63,18 @@ def test_values_unchanged_and_pages_huge():
 
 def test_small_arrays_tracers_and_deleted_arrays_are_left_alone():
   small = jnp.ones((1000, 16))
-  assert lazy_optax.advise_huge_pages([small, 3.0, None]) == 0
+  assert lazy_optax.perf.advise_huge_pages([small, 3.0, None]) == 0
   big = jnp.ones((300_000, 16))
-  assert lazy_optax.advise_huge_pages(big, min_bytes=big.nbytes + 1) == 0
+  assert lazy_optax.perf.advise_huge_pages(big, min_bytes=big.nbytes + 1) == 0
 
   @jax.jit
   def f(x):
-    assert lazy_optax.advise_huge_pages(x) == 0
+    assert lazy_optax.perf.advise_huge_pages(x) == 0
     return x + 1
 
   np.testing.assert_array_equal(f(small), small + 1)
   big.delete()
-  assert lazy_optax.advise_huge_pages(big) == 0
+  assert lazy_optax.perf.advise_huge_pages(big) == 0
 
 
 def test_donated_lazy_adam_step_keeps_the_advised_buffers():
@@ -97,7 +97,7 @@ def test_donated_lazy_adam_step_keeps_the_advised_buffers():
     params = {'t': init + 0}
     state = tx.init(params)
     if advise:
-      lazy_optax.advise_huge_pages((params, state))
+      lazy_optax.perf.advise_huge_pages((params, state))
     pointers = [params['t'].unsafe_buffer_pointer(),
                 state[0].mu['t'].unsafe_buffer_pointer()]
     rng = np.random.default_rng(2)
@@ -116,7 +116,7 @@ def test_elsewhere_it_does_nothing(monkeypatch):
   monkeypatch.setattr(huge_pages.sys, 'platform', 'darwin')
   huge_pages._madvise.cache_clear()
   try:
-    assert lazy_optax.advise_huge_pages(jnp.ones((300_000, 16))) == 0
+    assert lazy_optax.perf.advise_huge_pages(jnp.ones((300_000, 16))) == 0
   finally:
     monkeypatch.undo()
     huge_pages._madvise.cache_clear()

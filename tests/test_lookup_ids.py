@@ -2,7 +2,7 @@
 
 Ids outside [0, num_rows) (negative ones included) read zero rows and never
 produce a gradient row; concrete ones raise ValueError naming the table and
-the first bad id; under jit, `lazy_optax.checked` reports them. Padding ids
+the first bad id; under jit, `lazy_optax.checks.checked` reports them. Padding ids
 read their row and never produce a gradient row.
 """
 
@@ -79,7 +79,7 @@ def _table(params):
 
 
 def _sparse_grad(grads):
-  return [g for g in jax.tree.leaves(grads, is_leaf=lazy_optax.is_sparse_rows)
+  return [g for g in jax.tree.leaves(grads, is_leaf=lazy_optax.tree.is_sparse_rows)
           if isinstance(g, lazy_optax.SparseRows)][0]
 
 
@@ -208,19 +208,19 @@ def test_no_optimizer_ever_updates_the_padding_row(tx):
   assert not np.array_equal(after[1:6], before[1:6])
 
 
-def test_checked_mode_reports_out_of_range_ids_under_jit():
+def test_checked_mode_reports_out_of_range_lookup_ids_under_jit():
   params = {'emb': {'table': jnp.zeros((NUM_ROWS, DIM))}}
 
   def step(params, ids):
     def loss_fn(p):
       return jnp.sum(lazy_optax.lookup(p['emb']['table'], ids))
     _, grads = lazy_optax.value_and_grad(loss_fn)(params)
-    lazy_optax.check_ids_in_range(grads)
+    lazy_optax.checks.check_ids_in_range(grads)
     return grads
 
-  checked = lazy_optax.checked(jax.jit(step))
+  checked = lazy_optax.checks.checked(jax.jit(step))
   checked(params, jnp.array([[1, 2], [3, 9]]))            # in range: no error
-  with pytest.raises(lazy_optax.CheckError,
+  with pytest.raises(lazy_optax.checks.CheckError,
                      match=r'parameter emb/table: id -1 at position 2 .*'
                      r'\(2 ids out of range in all\)'):
     checked(params, jnp.array([[1, 2], [-1, 12]]))
@@ -229,10 +229,10 @@ def test_checked_mode_reports_out_of_range_ids_under_jit():
     loss_fn = lambda p: jnp.sum(lazy_optax.lookup_bag(
         p['emb']['table'], ids, mask=mask, padding_id=-1))
     _, grads = lazy_optax.value_and_grad(loss_fn)(p)
-    lazy_optax.check_ids_in_range(grads)
+    lazy_optax.checks.check_ids_in_range(grads)
     return grads
 
-  lazy_optax.checked(jax.jit(bag_step))(
+  lazy_optax.checks.checked(jax.jit(bag_step))(
       params, jnp.array([[1, -1], [3, 99]]),
       jnp.array([[True, True], [True, False]]))
   # Plain jit does not check (and reads zeros).

@@ -25,7 +25,7 @@ def _grads(params, step):
   rng = np.random.default_rng(100 + step)
 
   def grad(path, p):
-    name = lazy_optax.path_name(path)
+    name = lazy_optax.tree.path_name(path)
     if name.endswith('embedding'):
       ids = rng.integers(0, ROWS, 4).astype(np.int32)
       return lazy_optax.SparseRows(
@@ -56,9 +56,9 @@ def _pick(names):
   """Selects leaves by path into a flat dict {path: leaf}."""
   def select(tree):
     flat = jax.tree_util.tree_leaves_with_path(
-        tree, is_leaf=lazy_optax.is_sparse_rows)
-    return {lazy_optax.path_name(p): x for p, x in flat
-            if lazy_optax.path_name(p) in names}
+        tree, is_leaf=lazy_optax.tree.is_sparse_rows)
+    return {lazy_optax.tree.path_name(p): x for p, x in flat
+            if lazy_optax.tree.path_name(p) in names}
   return select
 
 
@@ -134,7 +134,7 @@ def test_untouched_rows_stay_put():
   np.testing.assert_allclose(table[3], old[3] - 0.5, rtol=1e-5)
 
 
-def test_errors_name_the_problem():
+def test_per_pattern_lr_errors_name_the_problem():
   params = _params()
   with pytest.raises(ValueError, match=r"'\[unclosed' is not a valid"):
     lazy_optax.compat.per_pattern_lr(optax.adam, 0.1, [('[unclosed', 0.1)])

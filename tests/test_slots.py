@@ -57,7 +57,7 @@ def test_adam_slots_match_the_float64_model(wrap):
     tx = optax.partition(
         {'lazy': lazy_optax.lazy_adam(0.01),
          'dense': optax.sgd(0.1, momentum=0.9)},
-        lazy_optax.path_labels(
+        lazy_optax.tree.path_labels(
             lambda name: 'lazy' if 'embedding' in name else 'dense'))
   _, state = _train(tx, params)
   ref = _reference_moments(params)
@@ -121,7 +121,7 @@ def test_global_step_with_schedules_and_inject_hyperparams():
   assert len(counts) >= 2
 
 
-def test_errors_name_the_problem():
+def test_slot_errors_name_the_problem():
   params = _params()
   state = lazy_optax.lazy_adam(0.1).init(params)
   with pytest.raises(KeyError, match="no slot 'trace'"):

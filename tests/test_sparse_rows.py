@@ -5,7 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lazy_optax import SparseRows, deduplicate
+from lazy_optax import SparseRows
+from lazy_optax.tree import deduplicate
 
 
 def test_to_dense_sums_duplicates():

@@ -10,9 +10,9 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-from lean_common import assert_checkpoint_resumes
 import numpy as np
 import optax
+from optimizer_cases import assert_checkpoint_resumes
 import pytest
 
 import lazy_optax
@@ -35,9 +35,9 @@ CONFIGS = {
         (lazy_optax.lazy_adam(1e-3, amsgrad=True), jnp.float32),
         (lazy_optax.lazy_adam(1e-3, mu_dtype=BF16, nu_dtype=BF16,
                               amsgrad=True), jnp.float32)),
-    'row_adam': (
-        (lazy_optax.row_adam(1e-3), jnp.float32),
-        (lazy_optax.row_adam(1e-3, mu_dtype=BF16, nu_dtype=BF16),
+    'adam_with_counter': (
+        (lazy_optax.adam_with_counter(1e-3), jnp.float32),
+        (lazy_optax.adam_with_counter(1e-3, mu_dtype=BF16, nu_dtype=BF16),
          jnp.float32)),
     'partial_rowwise_adam': (
         (lazy_optax.partial_rowwise_adam(1e-3), jnp.float32),
@@ -61,7 +61,7 @@ EXPECTED = {  # bytes per row at D = 64: (float32, bfloat16 moments)
     'lazy_adam': (512, 256),
     'lazy_adamw': (512, 256),
     'lazy_adam(amsgrad=True)': (768, 384),
-    'row_adam': (520, 264),
+    'adam_with_counter': (520, 264),
     'partial_rowwise_adam': (260, 130),
     'rowwise_adagrad': (4, 2),
     'lazy(optax.adagrad)': (256, 128),
@@ -164,19 +164,19 @@ def test_per_row_leaves_lazy_slots_and_shardings():
                              [0, 0, 1, 0, 0, 0, 0, 1, 0, 0])
   np.testing.assert_allclose(new[2] - table[2], -2 / 5)
   np.testing.assert_array_equal(new[:2], table[:2])
-  assert lazy_optax.get_slot_names(state, params) == ['column', 'flat']
-  assert lazy_optax.get_slot(state, 'table', 'column').shape == (10, 1)
+  assert lazy_optax.compat.get_slot_names(state, params) == ['column', 'flat']
+  assert lazy_optax.compat.get_slot(state, 'table', 'column').shape == (10, 1)
 
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   mesh = jax.make_mesh((1,), ('rows',))
   sharded = {'table': jax.device_put(table, NamedSharding(mesh,
                                                           P('rows', None)))}
-  shardings = lazy_optax.state_shardings(tx, sharded)
+  shardings = lazy_optax.sharding.state_shardings(tx, sharded)
   assert shardings.flat['table'].spec == P('rows')
   assert shardings.column['table'].spec == P('rows', None)
   assert shardings.count.spec == P()
-  state = lazy_optax.init_sharded(tx, sharded)
+  state = lazy_optax.sharding.init_sharded(tx, sharded)
   assert state.column['table'].sharding.spec[0] == 'rows'
 
 

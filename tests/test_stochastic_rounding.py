@@ -4,9 +4,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from lean_sharded_checks import run_checks
 import numpy as np
 import pytest
+from sharded_checks import run_checks
 
 import lazy_optax
 
@@ -34,7 +34,7 @@ def test_rounding_is_unbiased(dtype):
     xs.extend(np.float32(lo + f * gap) for f in fractions)
   x = np.asarray(xs, np.float32)
   n = 100_000
-  draws = lazy_optax.stochastic_round(
+  draws = lazy_optax.precision.stochastic_round(
       jnp.broadcast_to(x, (n, x.size)), dtype, KEY)
   assert draws.dtype == dtype
   values = _f32(draws)
@@ -57,12 +57,12 @@ def test_rounding_is_unbiased(dtype):
 def test_special_values_and_saturation():
   x = jnp.array([np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 0.0, -0.0],
                 jnp.float32)
-  y = _f32(lazy_optax.stochastic_round(x, jnp.bfloat16, KEY))
+  y = _f32(lazy_optax.precision.stochastic_round(x, jnp.bfloat16, KEY))
   assert np.isnan(y[0]) and y[1] == np.inf and y[2] == -np.inf
   big = float(jnp.finfo(jnp.bfloat16).max)
   assert y[3] == big and y[4] == -big
   assert y[5] == 0 and y[6] == 0
-  y16 = _f32(lazy_optax.stochastic_round(jnp.array([7e4, 1e-8], jnp.float32),
+  y16 = _f32(lazy_optax.precision.stochastic_round(jnp.array([7e4, 1e-8], jnp.float32),
                                          jnp.float16, KEY))
   assert y16[0] == float(jnp.finfo(jnp.float16).max)
   assert y16[1] in (0.0, float(jnp.finfo(jnp.float16).smallest_subnormal))
@@ -80,7 +80,7 @@ def test_small_updates_kept_on_average_untouched_rows_bit_for_bit():
   updates = {'t': lazy_optax.SparseRows(ids, values, 8)}
   nearest = lazy_optax.apply_updates({'t': table}, updates)['t']
   assert bool((nearest == 1).all())  # lost: below half an ulp
-  new = lazy_optax.apply_updates_stochastic({'t': table}, updates, key=KEY,
+  new = lazy_optax.precision.apply_updates_stochastic({'t': table}, updates, key=KEY,
                                             step=0)['t']
   rows = _f32(new)
   np.testing.assert_allclose(rows[[1, 5]].mean(axis=1), 1.001, atol=3e-4)
@@ -95,7 +95,7 @@ def test_bits_depend_on_seed_step_and_row_only():
   values = (1e-3 * rng.normal(size=(20, 8))).astype(np.float32)
 
   def apply(ids, values, step, key=KEY):
-    return lazy_optax.apply_updates_stochastic(
+    return lazy_optax.precision.apply_updates_stochastic(
         {'t': table}, {'t': lazy_optax.SparseRows(ids, values, 64)},
         key=key, step=step)['t']
 
@@ -111,14 +111,14 @@ def test_bits_depend_on_seed_step_and_row_only():
   # The same rows updated inside a dense update: the same bits.
   dense = np.zeros((64, 8), np.float32)
   dense[ids] = values
-  dense_out = lazy_optax.apply_updates_stochastic(
+  dense_out = lazy_optax.precision.apply_updates_stochastic(
       {'t': table}, {'t': jnp.asarray(dense)}, key=KEY, step=3)['t']
   np.testing.assert_array_equal(np.asarray(dense_out)[ids], first[ids])
   assert not np.array_equal(np.asarray(apply(ids, values, 4)), first)
   assert not np.array_equal(
       np.asarray(apply(ids, values, 3, jax.random.key(1))), first)
   # Parameters at other paths draw other bits.
-  both = lazy_optax.apply_updates_stochastic(
+  both = lazy_optax.precision.apply_updates_stochastic(
       {'a': table, 'b': table},
       {'a': jnp.asarray(dense), 'b': jnp.asarray(dense)}, key=KEY, step=3)
   assert not np.array_equal(np.asarray(both['a']), np.asarray(both['b']))
@@ -135,7 +135,7 @@ def test_jit_donation_other_dtypes_and_scalars():
     updates = {'t': lazy_optax.SparseRows(ids, values, 64),
                'f32': lazy_optax.SparseRows(ids, values, 64),
                's': jnp.float32(1e-3), 'v': jnp.full(5, 1e-4, jnp.float32)}
-    return lazy_optax.apply_updates_stochastic(params, updates, key=KEY,
+    return lazy_optax.precision.apply_updates_stochastic(params, updates, key=KEY,
                                                step=step)
 
   expected_f32 = np.ones((64, 8), np.float32)
@@ -153,11 +153,11 @@ def test_errors_name_the_parameter():
   params = {'emb': {'table': _table()}}
   bad = {'emb': {'table': jnp.ones((64, 7), jnp.float32)}}
   with pytest.raises(ValueError, match='emb/table'):
-    lazy_optax.apply_updates_stochastic(params, bad, key=KEY, step=0)
+    lazy_optax.precision.apply_updates_stochastic(params, bad, key=KEY, step=0)
   bad = {'emb': {'table': lazy_optax.SparseRows(jnp.array([1]),
                                                 jnp.ones((1, 8)), 65)}}
   with pytest.raises(ValueError, match='emb/table'):
-    lazy_optax.apply_updates_stochastic(params, bad, key=KEY, step=0)
+    lazy_optax.precision.apply_updates_stochastic(params, bad, key=KEY, step=0)
 
 
 def test_same_bits_on_8_devices(tmp_path):
@@ -185,7 +185,7 @@ def _train(dtype, stochastic):
     updates, state = tx.update(
         {'table': lazy_optax.SparseRows(ids, g, ROWS)}, state, params)
     if stochastic:
-      params = lazy_optax.apply_updates_stochastic(
+      params = lazy_optax.precision.apply_updates_stochastic(
           params, updates, key=jax.random.key(0), step=t)
     else:
       params = lazy_optax.apply_updates(params, updates)

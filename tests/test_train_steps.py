@@ -68,7 +68,7 @@ def _step_parts():
 def test_make_train_step_warns_once_without_donation():
   tx, params, train_step = _step_parts()
   opt_state = tx.init(params)
-  step = lazy_optax.make_train_step(train_step, donate_argnums=())
+  step = lazy_optax.perf.make_train_step(train_step, donate_argnums=())
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
     for k in range(3):
@@ -90,7 +90,7 @@ def test_make_train_step_is_silent_with_donation_and_trains():
     traces.append(1)
     return train_step(*args)
 
-  step = lazy_optax.make_train_step(counted)
+  step = lazy_optax.perf.make_train_step(counted)
   with warnings.catch_warnings():
     warnings.simplefilter('error')
     for k in range(3):
@@ -111,14 +111,14 @@ def test_a_donated_table_that_is_not_aliased_is_reported():
   step = jax.jit(cast_step, donate_argnums=0)
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
-    assert not lazy_optax.warn_if_not_donated(step, params, jnp.array([1]))
+    assert not lazy_optax.perf.warn_if_not_donated(step, params, jnp.array([1]))
   assert any('aliases only 0' in str(w.message) for w in caught), [
       str(w.message) for w in caught]
 
 
 def test_warn_if_not_donated_needs_a_jitted_step():
   with pytest.raises(TypeError, match='jitted step'):
-    lazy_optax.warn_if_not_donated(lambda x: x, jnp.ones((2, 2)))
+    lazy_optax.perf.warn_if_not_donated(lambda x: x, jnp.ones((2, 2)))
 
 
 def _linear_step(helper):
@@ -158,7 +158,7 @@ def test_a_linear_loss_through_value_and_grad_copies_no_table():
   assert not _table_copies(step, params, opt_state, ids)
   with warnings.catch_warnings():
     warnings.simplefilter('error')
-    assert lazy_optax.warn_if_not_donated(step, params, opt_state, ids)
+    assert lazy_optax.perf.warn_if_not_donated(step, params, opt_state, ids)
   params, opt_state, _ = step(params, opt_state, ids)
   np.testing.assert_allclose(params['table'][:8], -0.1, rtol=1e-5)
   np.testing.assert_array_equal(params['table'][8:], 0.0)
@@ -172,7 +172,7 @@ def test_a_step_that_copies_a_donated_table_is_reported():
   assert copies
   with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter('always')
-    assert not lazy_optax.warn_if_not_donated(step, params, opt_state, ids)
+    assert not lazy_optax.perf.warn_if_not_donated(step, params, opt_state, ids)
   (message,) = [str(w.message) for w in caught if 'lazy_optax' in
                 str(w.message)]
   assert "args[0]['table']" in message and 'copies' in message

@@ -68,7 +68,7 @@ def test_tree_arithmetic_on_two_batches_is_refused_eagerly(combine):
   bad = combine(_grads([1, 2]), _grads([3, 4]))
   tx = lazy_optax.lazy_adam(0.1)
   with pytest.raises(ValueError, match=DAMAGED + r'.* g1 \+ g2 or '
-                     r'lazy_optax\.tree_add'):
+                     r'lazy_optax\.tree\.add'):
     _step(tx, bad)
   with pytest.raises(ValueError, match=DAMAGED):
     lazy_optax.apply_updates(_params(), bad)
@@ -99,7 +99,7 @@ def test_under_jit_damaged_ids_write_no_row_and_warn():
 
 
 def test_checked_mode_reports_damaged_ids_under_jit():
-  tx = lazy_optax.with_id_checks(lazy_optax.lazy_adam(0.1))
+  tx = lazy_optax.checks.with_id_checks(lazy_optax.lazy_adam(0.1))
   params = _params()
 
   @jax.jit
@@ -110,10 +110,10 @@ def test_checked_mode_reports_damaged_ids_under_jit():
 
   with warnings.catch_warnings():
     warnings.simplefilter('ignore', RuntimeWarning)
-    with pytest.raises(lazy_optax.CheckError,
+    with pytest.raises(lazy_optax.checks.CheckError,
                        match=DAMAGED + r' on the gradient tree \(2 of 2 ids '
                        r'damaged\)') as info:
-      lazy_optax.checked(step)(params, tx.init(params), jnp.array([1, 2]),
+      lazy_optax.checks.checked(step)(params, tx.init(params), jnp.array([1, 2]),
                                jnp.array([3, 4]))
   np.testing.assert_array_equal(info.value.outputs[0]['t'], params['t'])
 
@@ -130,7 +130,7 @@ def test_casts_and_reshapes_of_the_ids_fail_at_trace_time():
 @pytest.mark.parametrize('scale', [
     lambda g: jax.tree.map(lambda x: x * 2, g),        # an integer
     lambda g: jax.tree.map(lambda x: x * 2.0, g),
-    lambda g: lazy_optax.tree_scale(g, 2.0),
+    lambda g: lazy_optax.tree.scale(g, 2.0),
     lambda g: optax.tree.scale(2.0, g),
 ], ids=['tree_map_int', 'tree_map_float', 'tree_scale', 'optax_tree_scale'])
 @pytest.mark.parametrize('jit', [False, True])
@@ -163,20 +163,20 @@ def test_sparse_rows_plus_sparse_rows_concatenates():
 
 def test_tree_add_of_microbatches_equals_one_step_on_the_whole_batch():
   g1, g2, g3 = _grads([1, 2]), _grads([3, 4, 1]), _grads([9], scale=3.0)
-  total = lazy_optax.tree_add(g1, g2, g3)
+  total = lazy_optax.tree.add(g1, g2, g3)
   np.testing.assert_allclose(total['w'], 1.5)
   ids = np.concatenate([_rows_of(g)[0] for g in (g1, g2, g3)])
   values = np.concatenate([_rows_of(g)[1] for g in (g1, g2, g3)])
   params, _ = _step(lazy_optax.lazy_adam(0.1), total)
   np.testing.assert_allclose(params['t'], _ref([(ids, values)]).p, rtol=1e-5)
   # A dense leaf plus a SparseRows leaf is dense.
-  mixed = lazy_optax.tree_add({'t': jnp.ones((V, D))}, {'t': g1['t']})
+  mixed = lazy_optax.tree.add({'t': jnp.ones((V, D))}, {'t': g1['t']})
   np.testing.assert_allclose(mixed['t'], 1 + np.asarray(g1['t'].to_dense()))
 
 
 def test_multi_steps_equals_the_rule_on_the_mean_gradient():
   k = 3
-  tx = lazy_optax.multi_steps(lazy_optax.lazy_adam(0.1), every_k=k,
+  tx = lazy_optax.wrappers.multi_steps(lazy_optax.lazy_adam(0.1), every_k=k,
                               ids_per_step={'t': 2})
   params = _params()
   state = tx.init(params)
@@ -198,7 +198,7 @@ def test_multi_steps_equals_the_rule_on_the_mean_gradient():
                      r'a SparseRows of 3 ids'):
     tx.update(_grads([1, 2, 3]), tx.init(params), params)
   with pytest.raises(ValueError, match=r"names \['nope'\]"):
-    lazy_optax.multi_steps(lazy_optax.lazy_adam(0.1), 2, {'nope': 2}).init(
+    lazy_optax.wrappers.multi_steps(lazy_optax.lazy_adam(0.1), 2, {'nope': 2}).init(
         params)
 
 
@@ -279,7 +279,7 @@ def test_partition_label_function_over_gradient_leaves_says_what_to_use():
   tx = optax.partition(
       {'a': lazy_optax.lazy_adam(0.1), 'b': optax.adam(0.1)},
       lambda tree: jax.tree.map(lambda x: 'a' if x.ndim == 2 else 'b', tree))
-  with pytest.raises(ValueError, match=r'lazy_optax\.path_labels'):
+  with pytest.raises(ValueError, match=r'lazy_optax\.tree\.path_labels'):
     _step(tx, _grads([1]))
 
 

@@ -1,4 +1,4 @@
-"""`lazy_optax.advise_huge_pages`: the same train step on 4 KiB and huge pages.
+"""`lazy_optax.perf.advise_huge_pages`: the same train step on 4 KiB and huge pages.
 
     taskset -c 0 python3 -m benchmarks.experiments.huge_pages     # 1 thread
     taskset -c 0,1 python3 -m benchmarks.experiments.huge_pages   # 2 threads
@@ -43,7 +43,7 @@ def _ab(name, compiled, make, batches, rounds, steps):
   for label in ('4 KiB pages', 'huge pages'):
     params, state = make()
     if label == 'huge pages':
-      advised = lazy_optax.advise_huge_pages((params, state))
+      advised = lazy_optax.perf.advise_huge_pages((params, state))
     boxes[label] = [params, state]
   after = _huge_mib()
   times = {k: [] for k in boxes}

@@ -14,8 +14,9 @@
 
 2. Names in code are checked. Every `lazy_optax.X.Y` in inline code and in
    Python code blocks of every page (the README, the guides, the notebooks)
-   must import or resolve as an attribute, or the build warns (and `-W` makes
-   that an error): a renamed function fails the docs build.
+   must import or resolve as an attribute without a `DeprecationWarning`, or
+   the build warns (and `-W` makes that an error): a renamed function, or a
+   page still using the old name of a moved one, fails the docs build.
 
 3. Inline code that names a documented object (`lazy_optax.lazy_adam`)
    links to its API entry.
@@ -28,7 +29,8 @@ import importlib
 import importlib.util
 import inspect
 import re
-from typing import Any
+from typing import Any, Optional
+import warnings
 
 from docutils import nodes
 from sphinx.util import logging
@@ -128,21 +130,31 @@ def _on_env_get_outdated(app, env, added, changed, removed) -> list[str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _resolves(name: str) -> bool:
-  """Whether a dotted `lazy_optax...` name is a module or an attribute."""
+def _problem(name: str) -> Optional[str]:
+  """What is wrong with a dotted `lazy_optax...` name, or None if nothing.
+
+  The name must be a module or an attribute, reached without a
+  `DeprecationWarning` (a moved name still resolves, with a warning that
+  names its new place).
+  """
   parts = name.split('.')
   for cut in range(len(parts), 0, -1):
     try:
       obj = importlib.import_module('.'.join(parts[:cut]))
     except ImportError:
       continue
-    try:
-      for attr in parts[cut:]:
-        obj = getattr(obj, attr)
-    except AttributeError:
-      return False
-    return True
-  return False
+    with warnings.catch_warnings(record=True) as caught:
+      warnings.simplefilter('always')
+      try:
+        for attr in parts[cut:]:
+          obj = getattr(obj, attr)
+      except AttributeError:
+        return 'which does not exist in the package'
+    for w in caught:
+      if issubclass(w.category, DeprecationWarning):
+        return f'which is deprecated ({w.message})'
+    return None
+  return 'which does not exist in the package'
 
 
 def _is_code_block(node: nodes.Node) -> bool:
@@ -154,16 +166,23 @@ def _is_code_block(node: nodes.Node) -> bool:
 
 
 def _on_doctree_read(app, doctree: nodes.document) -> None:
-  """Warns about `lazy_optax.X` names in code that do not resolve."""
+  """Warns about `lazy_optax.X` names in code that do not resolve.
+
+  Pages that record history (`lazy_optax_history_pages`: the changelog) may
+  name deprecated names; names that do not exist are errors everywhere.
+  """
   docname = app.env.docname
+  history = docname in app.config.lazy_optax_history_pages
   for node in doctree.findall(
       lambda n: isinstance(n, nodes.literal) or _is_code_block(n)):
     for name in set(_NAME.findall(node.astext())):
       name = name.rstrip('.')
-      if not _resolves(name):
-        _LOG.warning('%s names %r, which does not exist in the package',
-                     docname, name, location=node, type='lazy_optax',
-                     subtype='name')
+      problem = _problem(name)
+      if problem and history and problem.startswith('which is deprecated'):
+        continue
+      if problem:
+        _LOG.warning('%s names %r, %s', docname, name, problem,
+                     location=node, type='lazy_optax', subtype='name')
 
 
 def _on_doctree_resolved(app, doctree: nodes.document, docname: str) -> None:
@@ -192,6 +211,8 @@ def _on_doctree_resolved(app, doctree: nodes.document, docname: str) -> None:
 
 def setup(app) -> dict[str, Any]:
   """Registers the extension's event handlers."""
+  app.add_config_value('lazy_optax_history_pages', ('reference/changelog',),
+                       'env')
   app.connect('source-read', _on_source_read)
   app.connect('env-get-outdated', _on_env_get_outdated)
   app.connect('doctree-read', _on_doctree_read)

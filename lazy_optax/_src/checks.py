@@ -43,10 +43,10 @@ def check_ids_in_range(tree: Any) -> None:
     >>> import lazy_optax
     >>> def f(ids):
     ...   g = {'t': lazy_optax.SparseRows(ids, jnp.ones((2, 1)), 4)}
-    ...   lazy_optax.check_ids_in_range(g)
+    ...   lazy_optax.checks.check_ids_in_range(g)
     ...   return g['t'].to_dense()
-    >>> _ = lazy_optax.checked(jax.jit(f))(jnp.array([1, 3]))
-    >>> lazy_optax.checked(jax.jit(f))(jnp.array([1, 9]))
+    >>> _ = lazy_optax.checks.checked(jax.jit(f))(jnp.array([1, 3]))
+    >>> lazy_optax.checks.checked(jax.jit(f))(jnp.array([1, 9]))
     Traceback (most recent call last):
     ...
     lazy_optax...CheckError: SparseRows for parameter t: id 9 at ...
@@ -101,7 +101,7 @@ def with_id_checks(
   Example:
     >>> import jax, jax.numpy as jnp
     >>> import lazy_optax
-    >>> tx = lazy_optax.with_id_checks(lazy_optax.lazy_adam(0.1))
+    >>> tx = lazy_optax.checks.with_id_checks(lazy_optax.lazy_adam(0.1))
     >>> params = {'t': jnp.zeros((4, 2))}
     >>> @jax.jit
     ... def step(params, state, ids):
@@ -109,8 +109,9 @@ def with_id_checks(
     ...   updates, state = tx.update(g, state, params)
     ...   return lazy_optax.apply_updates(params, updates), state
     >>> try:
-    ...   lazy_optax.checked(step)(params, tx.init(params), jnp.array([0, -1]))
-    ... except lazy_optax.CheckError as e:
+    ...   lazy_optax.checks.checked(step)(params, tx.init(params),
+    ...                                   jnp.array([0, -1]))
+    ... except lazy_optax.checks.CheckError as e:
     ...   print(str(e).split(':')[0])
     ...   params, state = e.outputs
     SparseRows for parameter t
@@ -156,10 +157,10 @@ def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
     >>> import jax, jax.numpy as jnp
     >>> import lazy_optax
     >>> def f(ids):
-    ...   lazy_optax.check_ids_in_range(lazy_optax.SparseRows(ids,
+    ...   lazy_optax.checks.check_ids_in_range(lazy_optax.SparseRows(ids,
     ...                                 jnp.ones((1, 1)), 3))
     ...   return ids
-    >>> lazy_optax.checked(jax.jit(f))(jnp.array([2]))
+    >>> lazy_optax.checks.checked(jax.jit(f))(jnp.array([2]))
     Array([2], dtype=int32)
   """
   checked_fn = checkify.checkify(fn, errors=checkify.user_checks)

@@ -32,7 +32,6 @@ import jax.numpy as jnp
 
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import row_ops
-from lazy_optax._src import sharding as _sharding
 
 
 def _accumulation_dtype(dtype: Any) -> Any:
@@ -153,27 +152,6 @@ def unique_rows(ids: jax.Array, values: jax.Array, num_rows: int
   return _xla_unique_rows(ids, values, num_rows)
 
 
-def prepare(grad: Any, where: str) -> tuple[jax.Array, jax.Array, int]:
-  """A `SparseRows`'s `(safe ids, values, num_rows)`, checked.
-
-  Under an Explicit mesh the global batch is gathered first (see sharding).
-
-  Args:
-    grad: a `SparseRows`.
-    where: what `grad` is, for messages.
-
-  Returns:
-    `(ids, values, num_rows)` with every id that must touch no row set to
-    `num_rows`.
-  """
-  grad.check(where)
-  ids = _sharding.replicate_if_explicit(grad.safe_ids(where))
-  if ids.shape[0] == 0:
-    return ids, grad.values, grad.num_rows
-  values = _sharding.replicate_if_explicit(grad.values)
-  return ids, values, grad.num_rows
-
-
 def increasing(ids: jax.Array, num_rows: int) -> jax.Array:
   """Whether every row id in `[0, num_rows)` exceeds all row ids before it.
 
@@ -184,33 +162,3 @@ def increasing(ids: jax.Array, num_rows: int) -> jax.Array:
   running = lax.cummax(jnp.where(named, ids, -1), axis=0)
   before = jnp.concatenate([jnp.full((1,), -1, ids.dtype), running[:-1]])
   return jnp.all(~named | (ids > before))
-
-
-def distinct_rows(grad: Any, where: str) -> tuple[jax.Array, jax.Array]:
-  """A `SparseRows`'s distinct ids and summed values, checked.
-
-  Rows known to be distinct are not sorted again: the library's own updates,
-  and the leaves of a flattened `SparseRows` (flattening sums repeated ids
-  and leaves the row ids increasing) as long as their row ids still increase
-  (tree arithmetic that concatenated or permuted leaves falls back to
-  `unique_rows`, under `lax.cond`). Unused slots hold zeros either way.
-
-  Args:
-    grad: a `SparseRows`.
-    where: what `grad` is, for messages.
-
-  Returns:
-    `(ids, values)` as `unique_rows` returns them.
-  """
-  ids, values, num_rows = prepare(grad, where)
-  if not grad.is_distinct or ids.shape[0] == 0:
-    return unique_rows(ids, values, num_rows)
-
-  def as_they_are(ids, values):
-    keep = (ids < num_rows).reshape(ids.shape + (1,) * (values.ndim - 1))
-    return ids, jnp.where(keep, values, jnp.zeros_like(values))
-
-  if grad.has_trusted_ids:
-    return as_they_are(ids, values)
-  return lax.cond(increasing(ids, num_rows), as_they_are,
-                  lambda i, v: unique_rows(i, v, num_rows), ids, values)

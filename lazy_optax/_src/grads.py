@@ -33,21 +33,21 @@ the transformation).
 
 from __future__ import annotations
 
-import abc
-import contextlib
-import threading
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 
 from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
-from lazy_optax._src.labels import path_name
+from lazy_optax._src.numerics import broadcast_rows
+from lazy_optax._src.paths import path_name
+from lazy_optax._src.row_reads import in_range
+from lazy_optax._src.row_reads import read_rows
+from lazy_optax._src.row_reads import Recorder
+from lazy_optax._src.row_reads import recording
 from lazy_optax._src.sparse_rows import index_dtype
 from lazy_optax._src.sparse_rows import SparseRows
-
-_LOCAL = threading.local()
 
 _TOP_LEVEL = (
     'row-sparse gradients need the lookups at the top level of the loss given '
@@ -59,60 +59,7 @@ _TOP_LEVEL = (
     'use jax.value_and_grad for dense gradients.')
 
 
-def read_rows(table: Any, ids: jax.Array, dtype: Any = None) -> jax.Array:
-  """`table[ids]`, with zero rows for ids outside `[0, num_rows)`.
-
-  Out-of-range ids (negative ones too: JAX would wrap them before any gather
-  mode applies) are mapped to `num_rows` and read with `mode='fill'`.
-
-  Args:
-    table: `[num_rows, *row_shape]`.
-    ids: integer ids of any shape.
-    dtype: optional dtype of the rows.
-
-  Returns:
-    `ids.shape + row_shape` rows.
-  """
-  num_rows = jnp.shape(table)[0]
-  ids = ids.astype(index_dtype(num_rows))
-  safe = jnp.where(in_range(ids, num_rows), ids, num_rows)
-  rows = jnp.take(table, safe, axis=0, mode='fill', fill_value=0)
-  return rows if dtype is None else rows.astype(dtype)
-
-
-def in_range(ids: jax.Array, num_rows: int) -> jax.Array:
-  return (ids >= 0) & (ids < num_rows)
-
-
-def per_row(mask: jax.Array, rows: jax.Array) -> jax.Array:
-  """`mask` with trailing unit axes, to broadcast against `rows`."""
-  return mask.reshape(mask.shape + (1,) * (rows.ndim - mask.ndim))
-
-
-class _Recorder(abc.ABC):
-  """The tables of one `value_and_grad` call, as the loss was handed them."""
-
-  def __init__(self, tables: dict[int, Any], names: Sequence[str]):
-    self.tables = tables      # position -> the parameter leaf
-    self.names = names        # position -> its path name ('emb/table')
-
-  def position_of(self, table: Any) -> Optional[int]:
-    for pos, leaf in self.tables.items():
-      if leaf is table:
-        return pos
-    return None
-
-  def name_of(self, table: Any) -> Optional[str]:
-    pos = self.position_of(table)
-    return None if pos is None else self.names[pos]
-
-  @abc.abstractmethod
-  def take(self, table: Any, ids: jax.Array, active: Optional[jax.Array],
-           dtype: Any) -> Optional[jax.Array]:
-    """The rows of a lookup, or None to let it read `table` plainly."""
-
-
-class _Probe(_Recorder):
+class _Probe(Recorder):
   """Step 1: records the shapes of the lookups (traced, never run)."""
 
   def __init__(self, tables: dict[int, Any], names: Sequence[str]):
@@ -140,7 +87,7 @@ class _Probe(_Recorder):
     return rows
 
 
-class _Differentiate(_Recorder):
+class _Differentiate(Recorder):
   """Step 3: adds the perturbations and records the ids of the gradient."""
 
   def __init__(self, tables: dict[int, Any], names: Sequence[str],
@@ -173,7 +120,7 @@ class _Differentiate(_Recorder):
     keep = in_range(ids, num_rows)
     if active is not None:
       keep = keep & active
-    out = rows + jnp.where(per_row(keep, rows), perturbation,
+    out = rows + jnp.where(broadcast_rows(keep, rows), perturbation,
                            jnp.zeros_like(perturbation))
     # At the top level of the loss, the sum is traced by the perturbation's
     # trace; inside scan, vmap, checkpoint or a nested jit, by another one.
@@ -186,24 +133,6 @@ class _Differentiate(_Recorder):
     self.ids.setdefault(pos, []).append(named.reshape(-1))
     self.reads.setdefault(pos, []).append(rows)
     return out
-
-
-def active_recorder() -> Optional[_Recorder]:
-  """The recorder of the innermost `value_and_grad` being traced, if any."""
-  stack = getattr(_LOCAL, 'stack', None)
-  return stack[-1] if stack else None
-
-
-@contextlib.contextmanager
-def _recording(recorder: _Recorder) -> Iterator[_Recorder]:
-  stack = getattr(_LOCAL, 'stack', None)
-  if stack is None:
-    stack = _LOCAL.stack = []
-  stack.append(recorder)
-  try:
-    yield recorder
-  finally:
-    stack.pop()
 
 
 def _is_table(leaf: Any) -> bool:
@@ -250,7 +179,7 @@ def _probe(call: Callable[..., Any], params: _Params,
   def probe_fn(*tangents):
     def primal(*values):
       probe.tables = dict(zip(candidates, values))
-      with _recording(probe):
+      with recording(probe):
         loss, _ = call(params.with_values(candidates, values))
       return loss
     primals = tuple(params.leaves[i] for i in candidates)
@@ -300,7 +229,12 @@ def _sparse_rows(ids: jax.Array, values: jax.Array,
 
 def _zeros(struct: jax.ShapeDtypeStruct, axes: tuple[Any, ...]) -> jax.Array:
   zeros = jnp.zeros(struct.shape, struct.dtype)
-  return jax.lax.pcast(zeros, axes, to='varying') if axes else zeros
+  if not axes:
+    return zeros
+  pcast = getattr(jax.lax, 'pcast', None)
+  if pcast is None:  # older JAX names it jax.lax.pvary
+    return jax.lax.pvary(zeros, axes)  # type: ignore[attr-defined]
+  return pcast(zeros, axes, to='varying')
 
 
 def _differentiate(call: Callable[..., Any], params: _Params,
@@ -318,7 +252,7 @@ def _differentiate(call: Callable[..., Any], params: _Params,
   def grad_fn(dense_values, perturbations):
     recorder = _Differentiate({i: params.leaves[i] for i in sparse},
                               params.names, perturbations)
-    with _recording(recorder):
+    with recording(recorder):
       loss, aux = call(params.with_values(dense, dense_values))
     for i in sparse:
       if recorder.pending[i] or i not in recorder.ids:

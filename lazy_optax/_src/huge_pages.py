@@ -94,7 +94,7 @@ def advise_huge_pages(tree: Any, *, min_bytes: int = 4 * HUGE_PAGE_BYTES
     >>> import jax.numpy as jnp
     >>> import lazy_optax
     >>> params = {'table': jnp.zeros((100_000, 64))}
-    >>> n = lazy_optax.advise_huge_pages(params)
+    >>> n = lazy_optax.perf.advise_huge_pages(params)
     >>> n <= params['table'].nbytes
     True
   """

@@ -29,7 +29,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 CODE_DTYPE = jnp.float32
 UNIT = 2.0 ** -60
@@ -142,7 +141,3 @@ def decode(code: jax.Array, id_dtype: Any) -> Decoded:
   ids = jax.lax.bitcast_convert_type(value, jnp.dtype(id_dtype))
   return Decoded(ids, intact, empty)
 
-
-def is_code_dtype(dtype: Any) -> bool:
-  """Whether `dtype` is the id code's dtype (a cast would change it)."""
-  return np.dtype(dtype) == np.dtype(CODE_DTYPE)

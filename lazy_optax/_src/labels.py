@@ -36,7 +36,7 @@ def path_labels(
     >>> import jax.numpy as jnp, optax
     >>> import lazy_optax
     >>> params = {'emb': {'table': jnp.zeros((100, 4))}, 'w': jnp.zeros(4)}
-    >>> labels = lazy_optax.path_labels(
+    >>> labels = lazy_optax.tree.path_labels(
     ...     lambda name: 'lazy' if name.startswith('emb/') else 'dense')
     >>> tx = optax.partition({'lazy': lazy_optax.lazy_adam(1e-3),
     ...                       'dense': optax.adamw(1e-3)}, labels)

@@ -9,7 +9,6 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import cpu_kernels
-from lazy_optax._src import dedup
 from lazy_optax._src import fused
 from lazy_optax._src import row_ops
 from lazy_optax._src import row_state
@@ -17,6 +16,7 @@ from lazy_optax._src import tree_diff
 from lazy_optax._src import validate
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.paths import path_name
+from lazy_optax._src.sparse_rows import distinct_rows
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
 
@@ -103,7 +103,7 @@ def _row_leaves(leaves: _Leaves, skip_zero_rows: bool
   for i, (g, name) in enumerate(zip(leaves.grads, leaves.names)):
     if isinstance(g, SparseRows):
       check_sparse_leaf(g, leaves.params[i], name)
-      ids, values = dedup.distinct_rows(g, f'parameter {name}')
+      ids, values = distinct_rows(g, f'parameter {name}')
       rows[i] = _RowLeaf(ids, None)
       row_grads[i] = values
     elif hasattr(g, 'dtype'):

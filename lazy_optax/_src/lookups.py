@@ -9,7 +9,7 @@ Equinox layers, eagerly and under `jax.jit` alike:
   around) read zero rows and never produce a gradient row (their slots hold
   id `num_rows` and zero values, which every scatter drops). Where the ids
   are concrete this is a `ValueError` naming the table and the first bad
-  id; under `jax.jit`, `lazy_optax.checked` reports it as a `CheckError`.
+  id; under `jax.jit`, `lazy_optax.checks.checked` reports it as a `CheckError`.
 * slots holding `padding_id` read the padding row as it is (zeros when
   `padding_id` is outside the table) and never produce a gradient row, so no
   optimizer ever updates the padding row for them.
@@ -27,8 +27,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from lazy_optax._src import grads
 from lazy_optax._src import validate
+from lazy_optax._src.numerics import broadcast_rows
+from lazy_optax._src.row_reads import active_recorder
+from lazy_optax._src.row_reads import read_rows
 
 _MODES = ('sum', 'mean', 'max')
 
@@ -71,8 +73,9 @@ def check_in_range(ids: jax.Array, active: Optional[jax.Array],
   `checkify.debug_check`) sends every call of a jitted step through Python
   dispatch, measured at 0.15 ms of a 0.5 ms train step. Under
   `lazy_optax.value_and_grad` the table's `SparseRows` gradient keeps such
-  ids as they are (they touch no row), so `lazy_optax.with_id_checks` or
-  `lazy_optax.check_ids_in_range` under `lazy_optax.checked` report them.
+  ids as they are (they touch no row), so the checked mode
+  (`lazy_optax.checks.with_id_checks` or `lazy_optax.checks.check_ids_in_range`
+  under `lazy_optax.checks.checked`) reports them.
   """
   concrete = not isinstance(ids, jax.core.Tracer) and (
       active is None or not isinstance(active, jax.core.Tracer))
@@ -92,7 +95,7 @@ def check_in_range(ids: jax.Array, active: Optional[jax.Array],
 def _gather(table: Any, ids: jax.Array, active: Optional[jax.Array],
             dtype: Any, caller: str, path: Optional[str]) -> jax.Array:
   """Reads `table[ids]` under the one rule for ids; see the module doc."""
-  recorder = grads.active_recorder()
+  recorder = active_recorder()
   if recorder is not None:
     path = recorder.name_of(table) or path
   where = where_of(caller, path)
@@ -112,9 +115,9 @@ def plain_rows(table: Any, ids: jax.Array, active: Optional[jax.Array],
 
   Inactive slots (padding, masked) read their rows but pass no gradient.
   """
-  rows = grads.read_rows(table, ids)
+  rows = read_rows(table, ids)
   if active is not None:
-    rows = jnp.where(grads.per_row(active, rows), rows,
+    rows = jnp.where(broadcast_rows(active, rows), rows,
                      jax.lax.stop_gradient(rows))
   return rows if dtype is None else rows.astype(dtype)
 
@@ -150,7 +153,7 @@ def lookup(table: Any, ids: Any, dtype: Any = None, *,
   Inside it, the table's gradient arrives as a `SparseRows` holding one slot
   per id. Ids outside `[0, num_rows)` (negative ones included) read zero rows
   and never produce a gradient row; concrete ones raise `ValueError` naming
-  the first bad id (under `jax.jit`, `lazy_optax.checked` reports them).
+  the first bad id (under `jax.jit`, `lazy_optax.checks.checked` reports them).
 
   Args:
     table: the parameter array `[num_rows, *row_shape]`, exactly as the loss
@@ -237,7 +240,7 @@ def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
           f'shape {tuple(ids.shape)}, got '
           f'{weights.dtype}{list(weights.shape)}.')
   rows = _gather(table, ids, member, dtype, caller, path)     # [B, L, ...]
-  slot = grads.per_row(member, rows)
+  slot = broadcast_rows(member, rows)
   if mode == 'max':
     lowest = (-jnp.inf if jnp.issubdtype(rows.dtype, jnp.inexact)
               else jnp.iinfo(rows.dtype).min)
@@ -250,7 +253,7 @@ def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
     weights = member.astype(rows.dtype)
   else:
     weights = jnp.where(member, weights.astype(rows.dtype), 0)
-  weights = grads.per_row(weights, rows)
+  weights = broadcast_rows(weights, rows)
   # where, not a product alone: a masked slot's row never reaches the bag
   # (an inf or NaN there would otherwise make a NaN sum).
   total = jnp.sum(jnp.where(slot, rows * weights, 0), axis=1)

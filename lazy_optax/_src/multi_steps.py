@@ -59,8 +59,8 @@ def multi_steps(
       (`lazy_optax.lazy_adam(...)`, `lazy_optax.lazy(...)`).
     every_k: the number of steps to accumulate.
     ids_per_step: for every table that gets `SparseRows` gradients, its path
-      name (`'emb/table'`, as `lazy_optax.path_name` writes it) and the number
-      of ids its gradient holds each step.
+      name (`'emb/table'`, as `lazy_optax.tree.path_name` writes it) and the
+      number of ids its gradient holds each step.
     use_grad_mean: update with the mean of the accumulated gradients (as
       `optax.MultiSteps` does by default) rather than their sum.
 
@@ -71,8 +71,8 @@ def multi_steps(
     >>> import jax.numpy as jnp
     >>> import lazy_optax
     >>> params = {'t': jnp.zeros((10, 2))}
-    >>> tx = lazy_optax.multi_steps(lazy_optax.lazy_adam(0.1), every_k=2,
-    ...                             ids_per_step={'t': 3})
+    >>> tx = lazy_optax.wrappers.multi_steps(
+    ...     lazy_optax.lazy_adam(0.1), every_k=2, ids_per_step={'t': 3})
     >>> state = tx.init(params)
     >>> for ids in ([1, 2, 2], [5, 1, 1]):
     ...   g = {'t': lazy_optax.SparseRows(jnp.array(ids), jnp.ones((3, 2)), 10)}

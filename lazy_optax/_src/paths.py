@@ -29,7 +29,7 @@ def path_name(path: tuple[Any, ...]) -> str:
 
   Example:
     >>> import jax
-    >>> from lazy_optax import path_name
+    >>> from lazy_optax.tree import path_name
     >>> [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(
     ...     {'emb': {'table': 0}, 'dense': [1, 2]})]
     ['dense/0', 'dense/1', 'emb/table']

@@ -151,10 +151,12 @@ def state_shardings(
     >>> mesh = jax.make_mesh((1,), ('rows',))
     >>> params = {'table': jax.device_put(jnp.zeros((8, 2)),
     ...                                   NamedSharding(mesh, P('rows')))}
-    >>> shardings = lazy_optax.state_shardings(lazy_optax.lazy_adam(1e-3),
-    ...                                        params)
-    >>> shardings[0].mu['table'].spec, shardings[0].count.spec
-    (P('rows',), P())
+    >>> shardings = lazy_optax.sharding.state_shardings(
+    ...     lazy_optax.lazy_adam(1e-3), params)
+    >>> shardings[0].mu['table'].spec == P('rows')
+    True
+    >>> shardings[0].count.spec == P()
+    True
   """
   if param_shardings is None:
     param_shardings = jax.tree.map(_sharding_of, params)
@@ -208,9 +210,10 @@ def init_sharded(
     >>> mesh = jax.make_mesh((1,), ('rows',))
     >>> params = {'table': jax.device_put(jnp.zeros((8, 2)),
     ...                                   NamedSharding(mesh, P('rows')))}
-    >>> state = lazy_optax.init_sharded(lazy_optax.lazy_adam(1e-3), params)
-    >>> state[0].nu['table'].sharding.spec
-    P('rows',)
+    >>> state = lazy_optax.sharding.init_sharded(lazy_optax.lazy_adam(1e-3),
+    ...                                          params)
+    >>> state[0].nu['table'].sharding.spec == P('rows')
+    True
   """
   cpu_kernels.load_for(params)  # outside the jit below: never in a trace
   shardings = state_shardings(tx, params, param_shardings)

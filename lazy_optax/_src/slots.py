@@ -15,7 +15,7 @@ from typing import Any, Iterator, Sequence, Union
 import jax
 import optax
 
-from lazy_optax._src.labels import path_name
+from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import is_sparse_rows
 
 # TensorFlow / Keras slot name -> optax state field.

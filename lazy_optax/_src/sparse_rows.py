@@ -64,8 +64,8 @@ class _SparseRowsType(type):
         '(Equinox: lazy_optax.equinox.apply_updates, not '
         'eqx.apply_updates), give a table that optax.partition routes to a '
         'plain optax optimizer a lazy one (lazy_optax.lazy(...)), use '
-        'lazy_optax.multi_steps instead of optax.MultiSteps and '
-        'lazy_optax.path_labels as the label function of optax.partition, '
+        'lazy_optax.wrappers.multi_steps instead of optax.MultiSteps and '
+        'lazy_optax.tree.path_labels as the label function of optax.partition, '
         'and put other transformations inside lazy_optax.lazy(...))')
 
 
@@ -93,8 +93,8 @@ class SparseRows(metaclass=_SparseRowsType):
   `add_to` then raise when the code is concrete, and under `jax.jit` write no
   row from that gradient and warn (the checked mode, `with_id_checks` and
   `checked`, reports it as a `CheckError`). Combine gradients with `g1 + g2`
-  (the rows concatenated) or `lazy_optax.tree_add`, across devices with
-  `lazy_optax.tree_psum`/`tree_pmean`, and scale with `g * s`.
+  (the rows concatenated) or `lazy_optax.tree.add`, across devices with
+  `lazy_optax.tree.psum`/`pmean`, and scale with `g * s`.
 
   Args:
     ids: integer array of shape `[N]`, the row ids (duplicates allowed).
@@ -511,14 +511,67 @@ def deduplicate(grad: SparseRows,
 
   Example:
     >>> import jax.numpy as jnp
-    >>> from lazy_optax import SparseRows, deduplicate
+    >>> from lazy_optax import SparseRows
+    >>> from lazy_optax.tree import deduplicate
     >>> u = deduplicate(SparseRows(jnp.array([3, 1, 3]), jnp.ones((3, 1)), 5))
     >>> u.ids, u.values[:, 0]
     (Array([1, 3, 5], dtype=int32), Array([1., 2., 0.], dtype=float32))
   """
   where = where or 'a SparseRows'
-  ids, values = dedup.unique_rows(*dedup.prepare(grad, where))
+  ids, values = dedup.unique_rows(*prepare(grad, where))
   return UniqueRows(ids, values)
+
+
+def prepare(grad: SparseRows, where: str) -> tuple[jax.Array, jax.Array, int]:
+  """A `SparseRows`'s `(safe ids, values, num_rows)`, checked.
+
+  Under an Explicit mesh the global batch is gathered first (see sharding).
+
+  Args:
+    grad: a `SparseRows`.
+    where: what `grad` is, for messages.
+
+  Returns:
+    `(ids, values, num_rows)` with every id that must touch no row set to
+    `num_rows`.
+  """
+  grad.check(where)
+  ids = _sharding.replicate_if_explicit(grad.safe_ids(where))
+  if ids.shape[0] == 0:
+    return ids, grad.values, grad.num_rows
+  values = _sharding.replicate_if_explicit(grad.values)
+  return ids, values, grad.num_rows
+
+
+def distinct_rows(grad: SparseRows, where: str) -> tuple[jax.Array, jax.Array]:
+  """A `SparseRows`'s distinct ids and summed values, checked.
+
+  Rows known to be distinct are not sorted again: the library's own updates,
+  and the leaves of a flattened `SparseRows` (flattening sums repeated ids
+  and leaves the row ids increasing) as long as their row ids still increase
+  (tree arithmetic that concatenated or permuted leaves falls back to
+  `unique_rows`, under `lax.cond`). Unused slots hold zeros either way.
+
+  Args:
+    grad: a `SparseRows`.
+    where: what `grad` is, for messages.
+
+  Returns:
+    `(ids, values)` as `unique_rows` returns them.
+  """
+  ids, values, num_rows = prepare(grad, where)
+  if not grad.is_distinct or ids.shape[0] == 0:
+    return dedup.unique_rows(ids, values, num_rows)
+
+  def as_they_are(ids, values):
+    keep = (ids < num_rows).reshape(ids.shape + (1,) * (values.ndim - 1))
+    return ids, jnp.where(keep, values, jnp.zeros_like(values))
+
+  if grad.has_trusted_ids:
+    return as_they_are(ids, values)
+  return jax.lax.cond(dedup.increasing(ids, num_rows), as_they_are,
+                      lambda i, v: dedup.unique_rows(i, v, num_rows), ids,
+                      values)
 
 
 def _is_array(x: Any) -> bool:

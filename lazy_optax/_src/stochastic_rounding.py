@@ -62,7 +62,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
 
   Example:
     >>> import jax, jax.numpy as jnp
-    >>> from lazy_optax import stochastic_round
+    >>> from lazy_optax.precision import stochastic_round
     >>> x = jnp.full((100_000,), 1.0 + 2.0**-10, jnp.float32)  # 1/8 ulp
     >>> y = stochastic_round(x, jnp.bfloat16, jax.random.key(0))
     >>> sorted(set(y.astype(jnp.float32).tolist()))  # the two neighbours
@@ -202,7 +202,7 @@ def apply_updates_stochastic(
   `fold_in(fold_in(fold_in(key, step), crc32('emb/table')), r)`: the same
   `key`, `step` and rows give the same bits whatever the order of the ids in
   the batch, the mesh or the number of devices. Pass the optimizer's step
-  (`lazy_optax.global_step(opt_state)`) so each step draws new bits.
+  (`lazy_optax.compat.global_step(opt_state)`) so each step draws new bits.
 
   Args:
     params: a tree of parameters.
@@ -224,7 +224,7 @@ def apply_updates_stochastic(
     >>> lazy_optax.apply_updates(params, updates)['table'][1].astype(
     ...     jnp.float32).mean()                    # round to nearest: lost
     Array(1., dtype=float32)
-    >>> new = lazy_optax.apply_updates_stochastic(
+    >>> new = lazy_optax.precision.apply_updates_stochastic(
     ...     params, updates, key=jax.random.key(0), step=1)['table']
     >>> round(float(new[1].astype(jnp.float32).mean() - 1), 3)  # kept
     0.001

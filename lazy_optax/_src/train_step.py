@@ -120,7 +120,7 @@ _ADVICE = (
     'becomes slower than dense Adam. Donate the parameters and optimizer '
     'state: jax.jit(step, donate_argnums=(0, 1)), nnx.jit(step, '
     'donate_argnums=...), eqx.filter_jit(step, donate=...), or build the '
-    'step with lazy_optax.make_train_step.')
+    'step with lazy_optax.perf.make_train_step.')
 
 
 def warn_if_not_donated(step: Any, *args: Any, **kwargs: Any) -> bool:
@@ -154,12 +154,12 @@ def warn_if_not_donated(step: Any, *args: Any, **kwargs: Any) -> bool:
     >>> params = {'t': jnp.zeros((100, 4))}
     >>> with warnings.catch_warnings(record=True) as caught:
     ...   warnings.simplefilter('always')
-    ...   lazy_optax.warn_if_not_donated(jax.jit(step), params,
-    ...                                  jnp.array([1]))
+    ...   lazy_optax.perf.warn_if_not_donated(jax.jit(step), params,
+    ...                                       jnp.array([1]))
     False
     >>> 'not donated' in str(caught[0].message)
     True
-    >>> lazy_optax.warn_if_not_donated(
+    >>> lazy_optax.perf.warn_if_not_donated(
     ...     jax.jit(step, donate_argnums=0), params, jnp.array([1]))
     True
   """
@@ -249,7 +249,7 @@ def make_train_step(
     ...   loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
     ...   updates, opt_state = tx.update(grads, opt_state, params)
     ...   return lazy_optax.apply_updates(params, updates), opt_state, loss
-    >>> step = lazy_optax.make_train_step(train_step)
+    >>> step = lazy_optax.perf.make_train_step(train_step)
     >>> params, opt_state, loss = step(params, opt_state, jnp.array([3, 5]))
     >>> float(loss)
     8.0

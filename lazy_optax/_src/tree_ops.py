@@ -21,7 +21,8 @@ from lazy_optax._src.sparse_rows import SparseRows
 def _add_leaves(*leaves: Any) -> Any:
   if any(leaf is None for leaf in leaves):
     if not all(leaf is None for leaf in leaves):
-      raise ValueError('tree_add: a leaf is None in some trees only.')
+      raise ValueError(
+          'lazy_optax.tree.add: a leaf is None in some trees only.')
     return None
   sparse = [x for x in leaves if isinstance(x, SparseRows)]
   dense = [x for x in leaves if not isinstance(x, SparseRows)]
@@ -35,7 +36,7 @@ def _add_leaves(*leaves: Any) -> Any:
   return total
 
 
-def tree_add(*trees: Any) -> Any:
+def add(*trees: Any) -> Any:
   """Adds gradient trees; `SparseRows` leaves are concatenated, not summed.
 
   The row-sparse counterpart of `optax.tree.add` for accumulating gradients
@@ -58,20 +59,20 @@ def tree_add(*trees: Any) -> Any:
     ...                                  10), 'b': jnp.ones(2)}
     >>> g2 = {'t': lazy_optax.SparseRows(jnp.array([3, 4]), jnp.ones((2, 1)),
     ...                                  10), 'b': jnp.ones(2)}
-    >>> total = lazy_optax.tree_add(g1, g2)
+    >>> total = lazy_optax.tree.add(g1, g2)
     >>> total['t'].ids, total['b']
     (Array([1, 2, 3, 4], dtype=int32), Array([2., 2.], dtype=float32))
   """
   if not trees:
-    raise TypeError('tree_add takes at least one tree.')
+    raise TypeError('lazy_optax.tree.add takes at least one tree.')
   return jax.tree.map(_add_leaves, *trees,
                       is_leaf=lambda x: x is None or is_sparse_rows(x))
 
 
-def tree_scale(tree: Any, factor: Any) -> Any:
+def scale(tree: Any, factor: Any) -> Any:
   """Multiplies every gradient by a number; `SparseRows` in their values only.
 
-  For averaging accumulated gradients, loss scaling (`tree_scale(grads,
+  For averaging accumulated gradients, loss scaling (`scale(grads,
   1 / loss_scale)`) and learning-rate-like factors.
 
   Args:
@@ -85,12 +86,13 @@ def tree_scale(tree: Any, factor: Any) -> Any:
     >>> import jax.numpy as jnp
     >>> import lazy_optax
     >>> g = {'t': lazy_optax.SparseRows(jnp.array([1, 2]), jnp.ones((2, 1)), 4)}
-    >>> lazy_optax.tree_scale(g, 0.5)['t'].values[:, 0]
+    >>> lazy_optax.tree.scale(g, 0.5)['t'].values[:, 0]
     Array([0.5, 0.5], dtype=float32)
   """
   if jnp.ndim(factor) != 0:
     raise ValueError(
-        f'tree_scale: factor must be a scalar, got shape {jnp.shape(factor)}.')
+        'lazy_optax.tree.scale: factor must be a scalar, got shape '
+        f'{jnp.shape(factor)}.')
 
   return jax.tree.map(lambda x: None if x is None else x * factor, tree,
                       is_leaf=lambda x: x is None or is_sparse_rows(x))
@@ -137,7 +139,7 @@ def _reduce(tree: Any, axis_name: Any, mean: bool) -> Any:
                       is_leaf=lambda x: x is None or is_sparse_rows(x))
 
 
-def tree_psum(tree: Any, axis_name: Any) -> Any:
+def psum(tree: Any, axis_name: Any) -> Any:
   """`lax.psum` of a gradient tree over a named axis, `SparseRows` included.
 
   For data parallelism inside `jax.shard_map` or `jax.pmap`: dense leaves are
@@ -157,17 +159,17 @@ def tree_psum(tree: Any, axis_name: Any) -> Any:
     >>> import lazy_optax
     >>> def per_device(ids):
     ...   g = lazy_optax.SparseRows(ids, jnp.ones((1, 1)), 4)
-    ...   return lazy_optax.tree_psum(g, 'd').to_dense()[:, 0]
+    ...   return lazy_optax.tree.psum(g, 'd').to_dense()[:, 0]
     >>> jax.vmap(per_device, axis_name='d')(jnp.array([[1], [3]]))[0]
     Array([0., 1., 0., 1.], dtype=float32)
   """
   return _reduce(tree, axis_name, mean=False)
 
 
-def tree_pmean(tree: Any, axis_name: Any) -> Any:
+def pmean(tree: Any, axis_name: Any) -> Any:
   """`lax.pmean` of a gradient tree over a named axis, `SparseRows` included.
 
-  Like `tree_psum`, with every value divided by the axis size: dense leaves
+  Like `psum`, with every value divided by the axis size: dense leaves
   through `lax.pmean`, `SparseRows` values after gathering. The ids are never
   divided.
 
@@ -183,7 +185,7 @@ def tree_pmean(tree: Any, axis_name: Any) -> Any:
     >>> import lazy_optax
     >>> def per_device(ids):
     ...   g = lazy_optax.SparseRows(ids, jnp.ones((1, 1)), 4)
-    ...   return lazy_optax.tree_pmean(g, 'd').to_dense()[:, 0]
+    ...   return lazy_optax.tree.pmean(g, 'd').to_dense()[:, 0]
     >>> jax.vmap(per_device, axis_name='d')(jnp.array([[1], [1]]))[0]
     Array([0., 1., 0., 0.], dtype=float32)
   """

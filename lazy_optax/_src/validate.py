@@ -14,9 +14,9 @@ import jax.numpy as jnp
 import numpy as np
 
 _COMBINE = (
-    'Combine SparseRows gradients with g1 + g2 or lazy_optax.tree_add (rows '
-    'concatenated), across devices with lazy_optax.tree_psum or '
-    'lazy_optax.tree_pmean, cast them with SparseRows.astype, and put plain '
+    'Combine SparseRows gradients with g1 + g2 or lazy_optax.tree.add (rows '
+    'concatenated), across devices with lazy_optax.tree.psum or '
+    'lazy_optax.tree.pmean, cast them with SparseRows.astype, and put plain '
     'optax transformations inside lazy_optax.lazy(optax.chain(...)).')
 
 
@@ -39,7 +39,7 @@ def reduced_values_message(where: str, axes: Any) -> str:
       "each device's ids would get other devices' values. Build the gradient "
       'with lazy_optax.value_and_grad (or differentiate with respect to the '
       'looked-up rows, which vary with the ids), then combine devices with '
-      'lazy_optax.tree_psum or lazy_optax.tree_pmean.')
+      'lazy_optax.tree.psum or lazy_optax.tree.pmean.')
 
 
 def num_rows(value: Any) -> int:
@@ -174,7 +174,3 @@ def floating(dtype: Any, where: str, what: str = 'gradients') -> None:
     raise TypeError(f'{where} has dtype {dtype}; {what} must be floating '
                     'point.')
 
-
-def is_concrete(x: Any) -> bool:
-  """Whether `x` holds values (not traced by a JAX transformation)."""
-  return not isinstance(x, jax.core.Tracer)

@@ -1,58 +1,15 @@
-"""row_adam / scale_by_row_adam: per-row bias correction, catch-up, decay."""
+"""adam_with_counter beyond the conformance suite (tests/test_conformance.py):
+per-row bias correction, catch-up and decay against optax.adam(w) per row."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
+from reference import AdamWithCounter
 
 import lazy_optax
 
 B1, B2 = 0.9, 0.999
-
-
-class RowAdamModel:
-  """float64 numpy model of the per-row rule on one table."""
-
-  def __init__(self, table, lr, eps=1e-8, bias_correction='per_row',
-               catch_up=False, weight_decay=0.0, decay_skipped_steps=False):
-    self.p = np.array(table, np.float64)
-    self.m = np.zeros_like(self.p)
-    self.v = np.zeros_like(self.p)
-    self.row_count = np.zeros(self.p.shape[0], np.int64)
-    self.last_step = np.zeros(self.p.shape[0], np.int64)
-    self.t = 0
-    self.lr, self.eps = lr, eps
-    self.bias_correction, self.catch_up = bias_correction, catch_up
-    self.wd, self.decay_skipped = weight_decay, decay_skipped_steps
-
-  def step(self, ids, values):
-    self.t += 1
-    summed = {}
-    for i, g in zip(np.asarray(ids), np.asarray(values, np.float64)):
-      summed[int(i)] = summed.get(int(i), 0) + g
-    for i, g in summed.items():
-      since = self.t - self.last_step[i]
-      if self.catch_up:
-        if self.row_count[i] > 0:
-          self.m[i] *= B1 ** (since - 1)
-          self.v[i] *= B2 ** (since - 1)
-          self.row_count[i] += since
-        else:
-          self.row_count[i] = 1
-      else:
-        self.row_count[i] += 1
-      self.m[i] = B1 * self.m[i] + (1 - B1) * g
-      self.v[i] = B2 * self.v[i] + (1 - B2) * g * g
-      n = self.row_count[i] if self.bias_correction == 'per_row' else self.t
-      lr_n = self.lr * np.sqrt(1 - B2 ** n) / (1 - B1 ** n)
-      decay = self.lr * self.wd
-      if self.decay_skipped:
-        decay = 1 - (1 - self.lr * self.wd) ** since
-      self.p[i] = (self.p[i] - lr_n * self.m[i] / (np.sqrt(self.v[i]) +
-                                                    self.eps)
-                   - decay * self.p[i])
-      self.last_step[i] = self.t
 
 
 def _batches(seed, num_rows=20, steps=14, n_ids=6, row_shape=(3,)):
@@ -86,37 +43,6 @@ def _run(tx, table, batches, jit=True):
   return params, state, history
 
 
-@pytest.mark.parametrize('bias_correction,catch_up,decay', [
-    ('per_row', False, None),
-    ('per_row', False, 'skipped'),
-    ('per_row', True, 'touched'),
-    ('global', False, 'touched'),
-    ('global', True, None),
-    ('global', True, 'skipped'),
-])
-def test_matches_float64_model(bias_correction, catch_up, decay):
-  rng = np.random.default_rng(3)
-  table = rng.normal(size=(20, 3))
-  batches = _batches(4)
-  wd = 0.0 if decay is None else 0.3
-  kw = dict(bias_correction=bias_correction, catch_up=catch_up,
-            weight_decay=wd, decay_skipped_steps=decay == 'skipped')
-  model = RowAdamModel(table, lr=0.05, **kw)
-  for ids, values in batches:
-    model.step(ids, values)
-  params, state, _ = _run(lazy_optax.row_adam(0.05, **kw), table, batches)
-  np.testing.assert_allclose(params['table'], model.p, rtol=3e-5, atol=1e-6)
-  m = lazy_optax.get_slot(state, 'table', 'm')
-  v = lazy_optax.get_slot(state, 'table', 'v')
-  np.testing.assert_allclose(m, model.m, rtol=3e-5, atol=1e-7)
-  np.testing.assert_allclose(v, model.v, rtol=3e-5, atol=1e-9)
-  np.testing.assert_array_equal(
-      lazy_optax.get_slot(state, 'table', 'row_count'), model.row_count)
-  np.testing.assert_array_equal(
-      lazy_optax.get_slot(state, 'table', 'last_step'), model.last_step)
-  assert int(lazy_optax.global_step(state)) == len(batches)
-
-
 def test_late_row_first_step_is_lr_per_row_and_2_5x_global():
   """A row first seen at global step 1,000."""
   lr, num_rows = 0.01, 8
@@ -137,17 +63,18 @@ def test_late_row_first_step_is_lr_per_row_and_2_5x_global():
     state = warm(state)
     g = {'t': lazy_optax.SparseRows(jnp.array([5]), g_new, num_rows)}
     updates, state = tx.update(g, state, params)
-    assert int(lazy_optax.global_step(state)) == 1000
+    assert int(lazy_optax.compat.global_step(state)) == 1000
     return np.asarray(lazy_optax.apply_updates(params, updates)['t'][5])
 
   # Per row: the first step of a fresh Adam, exactly -lr * sign(g).
-  np.testing.assert_allclose(late_step(lazy_optax.row_adam(lr)),
+  np.testing.assert_allclose(late_step(lazy_optax.adam_with_counter(lr)),
                              -lr * np.sign(g_new[0]), rtol=1e-5)
-  # Global count (TensorFlow's Adam rule (epsilon hat)): sqrt(1-b2^t)/(1-b1^t) * (1-b1)/sqrt(1-b2)
+  # Global count (TensorFlow's Adam rule, epsilon hat):
+  # sqrt(1-b2^t)/(1-b1^t) * (1-b1)/sqrt(1-b2)
   factor = np.sqrt(1 - B2 ** 1000) / (1 - B1 ** 1000) * (1 - B1) / np.sqrt(
       1 - B2)
   assert 2.4 < factor < 2.6
-  for tx in (lazy_optax.row_adam(lr, bias_correction='global'),
+  for tx in (lazy_optax.adam_with_counter(lr, bias_correction='global'),
              lazy_optax.lazy_adam(lr)):
     np.testing.assert_allclose(late_step(tx), -lr * factor * np.sign(g_new[0]),
                                rtol=1e-4)
@@ -170,7 +97,8 @@ def test_per_row_equals_an_independent_adam_per_row():
   rng = np.random.default_rng(5)
   table = rng.normal(size=(20, 3))
   batches = _batches(6)
-  params, _, _ = _run(lazy_optax.row_adam(0.05, eps=0.0), table, batches)
+  params, _, _ = _run(lazy_optax.adam_with_counter(0.05, eps=0.0), table,
+                      batches)
   for i, seq in _row_sequences(batches, 20).items():
     adam = optax.adam(0.05, eps=0.0)
     p = jnp.asarray(table[i], jnp.float32)
@@ -187,8 +115,8 @@ def test_catch_up_equals_dense_adam_from_first_appearance():
   rng = np.random.default_rng(7)
   table = rng.normal(size=(20, 3))
   batches = _batches(8)
-  params, _, _ = _run(lazy_optax.row_adam(0.05, eps=0.0, catch_up=True),
-                      table, batches)
+  tx = lazy_optax.adam_with_counter(0.05, eps=0.0, catch_up=True)
+  params, _, _ = _run(tx, table, batches)
   for i, seq in _row_sequences(batches, 20).items():
     if not seq:
       np.testing.assert_array_equal(params['table'][i], np.float32(table[i]))
@@ -209,7 +137,8 @@ def test_catch_up_global_moments_equal_dense_adam_moments():
   rng = np.random.default_rng(9)
   table = rng.normal(size=(20, 3))
   batches = _batches(10)
-  tx = lazy_optax.row_adam(0.05, catch_up=True, bias_correction='global')
+  tx = lazy_optax.adam_with_counter(0.05, catch_up=True,
+                                   bias_correction='global')
   _, state, _ = _run(tx, table, batches)
   dense = optax.scale_by_adam(B1, B2)
   dstate = dense.init(jnp.zeros((20, 3)))
@@ -222,10 +151,10 @@ def test_catch_up_global_moments_equal_dense_adam_moments():
   final = np.flatnonzero(last == len(batches))
   assert final.size
   np.testing.assert_allclose(
-      lazy_optax.get_slot(state, 'table', 'mu')[final], dstate.mu[final],
+      lazy_optax.compat.get_slot(state, 'table', 'mu')[final], dstate.mu[final],
       rtol=2e-5, atol=1e-7)
   np.testing.assert_allclose(
-      lazy_optax.get_slot(state, 'table', 'nu')[final], dstate.nu[final],
+      lazy_optax.compat.get_slot(state, 'table', 'nu')[final], dstate.nu[final],
       rtol=2e-5, atol=1e-9)
 
 
@@ -235,7 +164,7 @@ def test_dense_rows_every_step_equal_optax_adamw():
   p0 = rng.normal(size=(4, 3)).astype(np.float32)
   params = {'w': jnp.asarray(p0), 'b': jnp.asarray(p0[0]),
             'scale': jnp.asarray(p0[0, 0])}
-  ours = lazy_optax.row_adam(0.05, eps=0.0, weight_decay=0.1,
+  ours = lazy_optax.adam_with_counter(0.05, eps=0.0, weight_decay=0.1,
                              decay_skipped_steps=True)
   ref = optax.adamw(0.05, eps=0.0, weight_decay=0.1)
   s_ours, s_ref = ours.init(params), ref.init(params)
@@ -253,16 +182,16 @@ def test_dense_rows_every_step_equal_optax_adamw():
 
 def test_untouched_rows_bit_for_bit_and_state_shapes():
   table = np.arange(30, dtype=np.float32).reshape(10, 3)
-  tx = lazy_optax.row_adam(0.1, weight_decay=0.5, decay_skipped_steps=True,
-                           catch_up=True)
+  tx = lazy_optax.adam_with_counter(0.1, weight_decay=0.5,
+                                    decay_skipped_steps=True, catch_up=True)
   batches = [(np.array([1, 4, 1], np.int32), np.ones((3, 3)))] * 3
   params, state, _ = _run(tx, table, batches)
   untouched = [i for i in range(10) if i not in (1, 4)]
   np.testing.assert_array_equal(params['table'][np.array(untouched)],
                                 table[untouched])
-  rc = lazy_optax.get_slot(state, 'table', 'row_count')
+  rc = lazy_optax.compat.get_slot(state, 'table', 'row_count')
   assert rc.shape == (10,) and rc.dtype == jnp.int32
-  assert lazy_optax.get_slot_names(state, params) == [
+  assert lazy_optax.compat.get_slot_names(state, params) == [
       'last_step', 'm', 'row_count', 'v']
 
 
@@ -272,10 +201,10 @@ def test_weight_decay_mask_and_schedule():
   batches = _batches(13, steps=5)
   sched = optax.linear_schedule(0.05, 0.01, 5)
   params = {'table': jnp.asarray(table, jnp.float32)}
-  tx = lazy_optax.row_adam(sched, weight_decay=0.3,
+  tx = lazy_optax.adam_with_counter(sched, weight_decay=0.3,
                            mask={'table': False})
   state = tx.init(params)
-  model = RowAdamModel(table, lr=None)
+  model = AdamWithCounter(table, lr=None)
   for t, (ids, values) in enumerate(batches):
     model.lr = float(sched(t))
     model.step(ids, values)
@@ -284,30 +213,3 @@ def test_weight_decay_mask_and_schedule():
     u, state = tx.update(g, state, params)
     params = lazy_optax.apply_updates(params, u)
   np.testing.assert_allclose(params['table'], model.p, rtol=3e-5, atol=1e-6)
-
-
-def test_scale_by_row_adam_chain():
-  rng = np.random.default_rng(14)
-  table = rng.normal(size=(20, 3))
-  batches = _batches(15, steps=6)
-  tx = lazy_optax.lazy(optax.chain(lazy_optax.scale_by_row_adam(catch_up=True),
-                                   optax.scale_by_learning_rate(0.05)))
-  model = RowAdamModel(table, lr=0.05, catch_up=True)
-  for ids, values in batches:
-    model.step(ids, values)
-  params, _, _ = _run(tx, table, batches, jit=False)
-  np.testing.assert_allclose(params['table'], model.p, rtol=3e-5, atol=1e-6)
-
-
-def test_bad_arguments():
-  with pytest.raises(ValueError, match='bias_correction'):
-    lazy_optax.row_adam(0.1, bias_correction='per-row')
-  with pytest.raises(ValueError, match='b2'):
-    lazy_optax.scale_by_row_adam(b2=1.0)
-  with pytest.raises(ValueError, match='weight_decay'):
-    lazy_optax.row_adam(0.1, decay_skipped_steps=True)
-  tx = lazy_optax.row_adam(0.1, weight_decay=0.1)
-  params = {'t': jnp.zeros((4, 2))}
-  g = {'t': lazy_optax.SparseRows(jnp.array([1]), jnp.ones((1, 2)), 4)}
-  with pytest.raises(ValueError, match='needs params'):
-    tx.update(g, tx.init(params))

@@ -1,4 +1,4 @@
-"""Lazy Adam with per-row step counts: bias correction and catch-up per row.
+"""Adam with a step counter per row: bias correction and catch-up per row.
 
 `lazy_adam` keeps one global step count, as TensorFlow, Keras and PyTorch's
 `SparseAdam` do, so a row first seen at global step 1,000 is bias-corrected
@@ -7,10 +7,11 @@ default betas), where a fresh dense Adam's first step is exactly `lr`. And a
 row that comes back after k absent steps keeps the moments it left with,
 where dense Adam would have decayed them by `b1^k` and `b2^k`.
 
-`scale_by_row_adam` and `row_adam` keep two per-row counters next to `mu`
-and `nu`, each a `[num_rows]` int32 array per parameter (a scalar for a
-scalar parameter), built by mapping over the parameters so that `lazy(...)`
-gathers and scatters them with the other row state:
+`scale_by_adam_with_counter` and `adam_with_counter` (named `row_adam` before
+0.2) keep two step counters per row next to `mu` and `nu`, each a
+`[num_rows]` int32 array per parameter (a scalar for a scalar parameter),
+built by mapping over the parameters so that `lazy(...)` gathers and scatters
+them with the other row state:
 
 - `last_step`: the global step at which the row was last updated (0: never);
 - `row_count`: how many updates the row has had, or, with `catch_up=True`,
@@ -27,7 +28,7 @@ k = t - last_step - 1 the steps the row was absent:
 With `catch_up=True` and `bias_correction='global'` the moments of a row
 equal dense Adam's (zero gradient while absent) whenever it is touched; its
 parameter still does not move while absent. Decoupled weight decay
-(`row_adam(weight_decay=...)`) applies to touched rows; with
+(`adam_with_counter(weight_decay=...)`) applies to touched rows; with
 `decay_skipped_steps=True` it compounds over the steps since the row's last
 update, `p <- (1 - lr * wd)^(t - last_step) * p`, as dense AdamW's decay
 would have (at the current learning rate).
@@ -46,14 +47,16 @@ from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
+from lazy_optax._src.numerics import mask_leaves
 from lazy_optax._src.numerics import one_minus_power
+from lazy_optax._src.numerics import per_row_full
 from lazy_optax._src.numerics import power
 
 _BIAS_CORRECTIONS = ('per_row', 'global')
 
 
-class ScaleByRowAdamState(NamedTuple):
-  """State of `scale_by_row_adam` / `row_adam`."""
+class ScaleByAdamWithCounterState(NamedTuple):
+  """State of `scale_by_adam_with_counter` / `adam_with_counter`."""
   count: chex.Array  # int32 scalar, the global step
   mu: optax.Updates
   nu: optax.Updates
@@ -61,9 +64,10 @@ class ScaleByRowAdamState(NamedTuple):
   last_step: optax.Updates  # int32 [num_rows] per parameter
 
 
-def _row_zeros(p: Any) -> jax.Array:
-  shape = jnp.shape(p)
-  return jnp.zeros(shape[:1], jnp.int32)
+def _no_decay(weight_decay: Any) -> bool:
+  """Whether weight decay is off: a Python 0 (an array, such as one that
+  `optax.inject_hyperparams` passes, may change, so it counts as on)."""
+  return isinstance(weight_decay, (int, float)) and weight_decay == 0
 
 
 def _check_args(fn, b1, b2, eps, eps_root, weight_decay, bias_correction):
@@ -133,7 +137,7 @@ def _apply_lr_and_decay(step: jax.Array, leaf: _RowLeaf, lr: Any,
   """`-lr * step`, minus decoupled weight decay (over skipped steps too)."""
   lr_d = jnp.asarray(lr, dtype)
   step = -lr_d * step
-  if not (cfg.weight_decay and leaf.decay):
+  if _no_decay(cfg.weight_decay) or not leaf.decay:
     return step
   p = jnp.asarray(leaf.param).astype(dtype)
   rate = jnp.asarray(cfg.weight_decay, dtype) * lr_d
@@ -159,7 +163,7 @@ def _update_leaf(leaf: _RowLeaf, count: jax.Array, lr: Any, cfg: _Config
       jnp.broadcast_to(count, ls.shape).astype(ls.dtype))
 
 
-def _row_adam_rule(
+def _adam_with_counter_rule(
     *,
     b1: float,
     b2: float,
@@ -173,7 +177,7 @@ def _row_adam_rule(
     weight_decay: float = 0.0,
     mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     decay_skipped_steps: bool = False,
-    fn: str = 'scale_by_row_adam',
+    fn: str = 'scale_by_adam_with_counter',
 ) -> optax.GradientTransformation:
   """The per-row rule on dense row blocks (every row given is touched)."""
   _check_args(fn, b1, b2, eps, eps_root, weight_decay, bias_correction)
@@ -183,14 +187,14 @@ def _row_adam_rule(
                 decay_skipped_steps=decay_skipped_steps)
 
   def init_fn(params):
-    def zeros(dtype):
-      return lambda p: jnp.zeros(jnp.shape(p), dtype or jnp.asarray(p).dtype)
-    return ScaleByRowAdamState(
+    def row_counters(p):
+      return per_row_full(p, jnp.int32)
+    return ScaleByAdamWithCounterState(
         count=jnp.zeros([], jnp.int32),
-        mu=jax.tree.map(zeros(mu_dtype), params),
-        nu=jax.tree.map(zeros(nu_dtype), params),
-        row_count=jax.tree.map(_row_zeros, params),
-        last_step=jax.tree.map(_row_zeros, params))
+        mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
+        nu=optax.tree_utils.tree_zeros_like(params, dtype=nu_dtype),
+        row_count=jax.tree.map(row_counters, params),
+        last_step=jax.tree.map(row_counters, params))
 
   def leaves_of(updates, state, params) -> list[_RowLeaf]:
     treedef: Any = jax.tree.structure(updates)
@@ -198,15 +202,13 @@ def _row_adam_rule(
         updates, state.mu, state.nu, state.row_count, state.last_step)]
     n = len(flat[0])
     param_leaves, decays = [None] * n, [False] * n
-    if weight_decay:
+    if not _no_decay(weight_decay):
       if params is None:
         raise ValueError(
-            'row_adam with weight_decay needs params in update(grads, '
-            'state, params).')
+            'adam_with_counter with weight_decay needs params in '
+            'update(grads, state, params).')
       param_leaves = treedef.flatten_up_to(params)
-      mask_tree = mask(params) if callable(mask) else mask
-      decays = ([True] * n if mask_tree is None
-                else treedef.flatten_up_to(mask_tree))
+      decays = mask_leaves(mask, params, treedef)
     return [_RowLeaf(grad=g, mu=m, nu=v, row_count=rc, last_step=ls,
                      param=p, decay=d)
             for g, m, v, rc, ls, p, d in zip(*flat, param_leaves, decays)]
@@ -221,14 +223,14 @@ def _row_adam_rule(
                for leaf in leaves_of(updates, state, params)]
     treedef = jax.tree.structure(updates)
     new_leaves = list(zip(*(r[1] for r in results))) or [()] * 4
-    state = ScaleByRowAdamState(
+    state = ScaleByAdamWithCounterState(
         count, *(treedef.unflatten(list(leaves)) for leaves in new_leaves))
     return treedef.unflatten([r[0] for r in results]), state
 
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def scale_by_row_adam(
+def scale_by_adam_with_counter(
     b1: float = 0.9,
     b2: float = 0.999,
     eps: float = 1e-8,
@@ -249,7 +251,8 @@ def scale_by_row_adam(
   Adam would have had (momentum from long ago forgotten), at O(1) per row.
   The rule is in the module docstring; epsilon is "epsilon hat" as in
   `lazy_adam`. Put the whole chain inside `lazy(...)`, as in the example, so
-  that the learning-rate scaling also sees row blocks (or use `row_adam`).
+  that the learning-rate scaling also sees row blocks (or use
+  `adam_with_counter`).
 
   Args:
     b1: decay rate of the first moment.
@@ -266,23 +269,24 @@ def scale_by_row_adam(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
-    `ScaleByRowAdamState(count, mu, nu, row_count, last_step)`.
+    `ScaleByAdamWithCounterState(count, mu, nu, row_count, last_step)`.
 
   Example:
     >>> import jax.numpy as jnp, optax
     >>> import lazy_optax
-    >>> tx = lazy_optax.lazy(optax.chain(lazy_optax.scale_by_row_adam(),
-    ...                                  optax.scale_by_learning_rate(1e-3)))
+    >>> tx = lazy_optax.lazy(optax.chain(
+    ...     lazy_optax.scale_by_adam_with_counter(),
+    ...     optax.scale_by_learning_rate(1e-3)))
     >>> state = tx.init({'table': jnp.zeros((100, 8))})
     >>> lazy_optax.compat.get_slot(state, 'table', 'row_count').shape
     (100,)
   """
-  return lazy(_row_adam_rule(
+  return lazy(_adam_with_counter_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
       nu_dtype=nu_dtype, bias_correction=bias_correction, catch_up=catch_up))
 
 
-def row_adam(
+def adam_with_counter(
     learning_rate: optax.ScalarOrSchedule,
     b1: float = 0.9,
     b2: float = 0.999,
@@ -297,7 +301,9 @@ def row_adam(
     catch_up: bool = False,
     decay_skipped_steps: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
-  """Lazy Adam(W) with per-row step counts (see `scale_by_row_adam`).
+  """Lazy Adam(W) with a step counter per row.
+
+  See `scale_by_adam_with_counter` for the rule.
 
   Touched rows move by `-lr * step`, and with `weight_decay` also by
   `-lr * weight_decay * p` (decoupled, touched rows only, as `lazy_adamw`).
@@ -324,13 +330,13 @@ def row_adam(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
-    `ScaleByRowAdamState`.
+    `ScaleByAdamWithCounterState`.
 
   Example:
     >>> import jax.numpy as jnp
     >>> import lazy_optax
     >>> params = {'table': jnp.zeros((10, 2))}
-    >>> tx = lazy_optax.row_adam(0.1)
+    >>> tx = lazy_optax.adam_with_counter(0.1)
     >>> state = tx.init(params)
     >>> g = {'table': lazy_optax.SparseRows(jnp.array([7]), jnp.ones((1, 2)),
     ...                                     10)}
@@ -341,11 +347,11 @@ def row_adam(
     >>> lazy_optax.apply_updates(params, updates)['table'][7]
     Array([-0.1, -0.1], dtype=float32)
   """
-  if not weight_decay and decay_skipped_steps:
+  if _no_decay(weight_decay) and decay_skipped_steps:
     raise ValueError(
-        'row_adam: decay_skipped_steps=True needs weight_decay > 0.')
-  return lazy(_row_adam_rule(
+        'adam_with_counter: decay_skipped_steps=True needs weight_decay > 0.')
+  return lazy(_adam_with_counter_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
       nu_dtype=nu_dtype, bias_correction=bias_correction, catch_up=catch_up,
       learning_rate=learning_rate, weight_decay=weight_decay, mask=mask,
-      decay_skipped_steps=decay_skipped_steps, fn='row_adam'))
+      decay_skipped_steps=decay_skipped_steps, fn='adam_with_counter'))

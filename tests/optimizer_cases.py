@@ -1,0 +1,423 @@
+"""The optimizers under test, each with its float64 model: the conformance
+suite's parameter list (tests/test_conformance.py, tests/sharded_checks.py).
+
+A `Case` names one optimizer configuration: how to build it, its float64
+model (tests/reference.py), the state slots to compare with the model, and
+the chain of `scale_by_...` transformations that must give the same rule.
+`CASES` holds one case per optimizer (every property is checked on each);
+`RULE_CASES` adds the other configurations whose rule is checked against the
+model. A new optimizer, or a new implementation of one (`impl`, for example
+a kernel), is one more `Case`.
+
+Shared helpers: `batches` (ids with heavy duplicates and rows that go
+absent), `run` (a jitted, donated training loop on one table), `untouched`,
+`run_dense`, `run_partitioned`, `assert_checkpoint_resumes` and
+`assert_state_shardings_follow_rows`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import reference
+
+import lazy_optax
+
+NUM_ROWS, D = 40, 3
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+  """A per-table state leaf (`lazy_optax.compat.get_slot` name) and the
+  model attribute it must equal, within `rtol`/`atol`."""
+  name: str
+  model_attr: str
+  rtol: float
+  atol: float
+  initial: float = 0.0   # its value in rows that were never touched
+
+
+@dataclasses.dataclass(frozen=True)
+class Dtypes:
+  """A 16-bit configuration: table dtype, extra arguments, slot dtypes."""
+  table: Any
+  kwargs: dict
+  slot_dtypes: dict
+  atol: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+  """One optimizer configuration and its float64 model."""
+  name: str
+  fn: Callable[..., optax.GradientTransformation]
+  lr: float
+  kwargs: dict
+  model: Callable[..., Any]           # model(table, lr) -> reference model
+  slots: tuple[Slot, ...]
+  slot_names: tuple[str, ...]         # compat.get_slot_names of the state
+  chained: Optional[Callable[[], optax.GradientTransformation]] = None
+  dtypes: tuple[Dtypes, ...] = ()
+  rtol: float = 2e-5
+  atol: float = 1e-6
+  table_scale: float = 1.0            # ftrl starts from small weights
+  steps: int = 12
+  # Where a kernel implementation plugs in: a case per implementation.
+  impl: Optional[str] = None
+
+  def make(self, lr: Any = None) -> optax.GradientTransformation:
+    kwargs = dict(self.kwargs)
+    if self.impl is not None:
+      kwargs['impl'] = self.impl
+    return self.fn(self.lr if lr is None else lr, **kwargs)
+
+  def reference(self, table: Any, lr: Any = None) -> Any:
+    return self.model(table, self.lr if lr is None else lr)
+
+  def __str__(self) -> str:
+    return self.name
+
+
+def _scaled(scale_by: Callable[..., Any], lr: float, **kw: Any):
+  return lambda: lazy_optax.lazy(optax.chain(
+      optax.clip_by_global_norm(1e6), scale_by(**kw),
+      optax.scale_by_learning_rate(lr)))
+
+
+_ADAM_SLOTS = (Slot('m', 'm', 2e-5, 1e-7), Slot('v', 'v', 2e-5, 1e-9))
+_BF16 = jnp.bfloat16
+
+LAZY_ADAM = Case(
+    'lazy_adam', lazy_optax.lazy_adam, 0.01, {},
+    lambda t, lr: reference.TFLazyAdam(t, lr=lr), _ADAM_SLOTS, ('m', 'v'),
+    chained=_scaled(lazy_optax.scale_by_lazy_adam, 0.01),
+    dtypes=(Dtypes(_BF16, {}, {'m': _BF16, 'v': _BF16}, 3e-2),
+            Dtypes(_BF16, dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32),
+                   {'m': jnp.float32, 'v': jnp.float32}, 3e-2)),
+    steps=25)
+
+ROWWISE_ADAGRAD = Case(
+    'rowwise_adagrad', lazy_optax.rowwise_adagrad, 0.1, {},
+    lambda t, lr: reference.RowwiseAdagrad(t, lr=lr),
+    (Slot('sum_of_squares', 'g2', 1e-5, 1e-7),), ('sum_of_squares',),
+    chained=_scaled(lazy_optax.scale_by_rowwise_adagrad, 0.1),
+    dtypes=(Dtypes(_BF16, {}, {'sum_of_squares': jnp.float32}, 3e-2),
+            Dtypes(jnp.float32, dict(accumulator_dtype=_BF16),
+                   {'sum_of_squares': _BF16}, 2e-2)),
+    rtol=1e-5)
+
+PARTIAL_ROWWISE_ADAM = Case(
+    'partial_rowwise_adam', lazy_optax.partial_rowwise_adam, 0.05, {},
+    lambda t, lr: reference.PartialRowwiseAdam(t, lr=lr),
+    (Slot('mu', 'm', 2e-5, 1e-7), Slot('nu', 'v', 2e-5, 1e-9)), ('m', 'v'),
+    chained=_scaled(lazy_optax.scale_by_partial_rowwise_adam, 0.05),
+    dtypes=(Dtypes(_BF16, {}, {'mu': _BF16, 'nu': jnp.float32}, 3e-2),
+            Dtypes(jnp.float32, dict(mu_dtype=_BF16, nu_dtype=_BF16),
+                   {'mu': _BF16, 'nu': _BF16}, 1e-2)),
+    steps=15)
+
+FTRL = Case(
+    'ftrl', lazy_optax.ftrl, 0.1, dict(l1=0.01, beta=0.3),
+    lambda t, lr: reference.Ftrl(t, lr=lr, l1=0.01, beta=0.3),
+    (Slot('accumulator', 'n', 1e-6, 0.0, initial=0.1),
+     Slot('linear', 'z', 1e-5, 1e-6)), ('accumulator', 'linear'),
+    chained=lambda: lazy_optax.lazy(optax.chain(
+        optax.clip_by_global_norm(1e6),
+        lazy_optax.ftrl(0.1, l1=0.01, beta=0.3))),
+    dtypes=(Dtypes(_BF16, dict(accumulator_dtype=jnp.float32,
+                               linear_dtype=jnp.float32),
+                   {'accumulator': jnp.float32, 'linear': jnp.float32}, 1e-2),
+            Dtypes(jnp.float32, dict(accumulator_dtype=_BF16,
+                                     linear_dtype=_BF16),
+                   {'accumulator': _BF16, 'linear': _BF16}, 1e-2)),
+    rtol=1e-5, table_scale=0.1)
+
+ADAM_WITH_COUNTER = Case(
+    'adam_with_counter', lazy_optax.adam_with_counter, 0.05,
+    dict(catch_up=True),
+    lambda t, lr: reference.AdamWithCounter(t, lr=lr, catch_up=True),
+    (Slot('m', 'm', 3e-5, 1e-7), Slot('v', 'v', 3e-5, 1e-9),
+     Slot('row_count', 'row_count', 0, 0),
+     Slot('last_step', 'last_step', 0, 0)),
+    ('last_step', 'm', 'row_count', 'v'),
+    chained=_scaled(lazy_optax.scale_by_adam_with_counter, 0.05,
+                    catch_up=True),
+    dtypes=(Dtypes(_BF16, dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32),
+                   {'m': jnp.float32, 'v': jnp.float32,
+                    'row_count': jnp.int32}, 3e-2),),
+    rtol=3e-5, steps=14)
+
+OPTAX_ADAM = Case(
+    'lazy(optax.adam)',
+    lambda learning_rate: lazy_optax.lazy(optax.adam(learning_rate)), 0.01, {},
+    lambda t, lr: reference.OptaxAdam(t, lr=lr),
+    (Slot('mu', 'm', 2e-5, 1e-7), Slot('nu', 'v', 2e-5, 1e-9)), ('m', 'v'),
+    chained=lambda: lazy_optax.lazy(optax.chain(
+        optax.clip_by_global_norm(1e6), optax.scale_by_adam(),
+        optax.scale_by_learning_rate(0.01))),
+    dtypes=(Dtypes(_BF16, dict(), {'mu': _BF16, 'nu': _BF16}, 3e-2),),
+    steps=20)
+
+# Every property is checked on each of these.
+CASES = (LAZY_ADAM, ROWWISE_ADAGRAD, PARTIAL_ROWWISE_ADAM, FTRL,
+         ADAM_WITH_COUNTER, OPTAX_ADAM)
+
+
+def _variant(case: Case, name: str, model: Callable[..., Any],
+             **kwargs: Any) -> Case:
+  return dataclasses.replace(case, name=f'{case.name}({name})',
+                             kwargs=kwargs, model=model)
+
+
+_FTRL_CONFIGS = {
+    'defaults': {},
+    'l1_l2_shrinkage_beta': dict(l1=0.05, l2=0.1, l2_shrinkage=0.2, beta=0.5),
+    'power_-0.3': dict(lr_power=-0.3, l1=0.01),
+    'fixed_rate': dict(lr_power=0.0, initial_accumulator_value=0.0, l2=0.1),
+}
+
+
+def _ftrl_variant(name: str, kw: dict) -> Case:
+  args = dict(kw)
+  if 'lr_power' in args:
+    args['learning_rate_power'] = args.pop('lr_power')
+  init = kw.get('initial_accumulator_value', 0.1)
+  case = _variant(FTRL, name, lambda t, lr: reference.Ftrl(t, lr=lr, **kw),
+                  **args)
+  return dataclasses.replace(case, slots=(
+      Slot('accumulator', 'n', 1e-6, 0.0, initial=init),
+      Slot('linear', 'z', 1e-5, 1e-6)))
+
+
+def _counter_variant(bias_correction: str, catch_up: bool,
+                     decay: Optional[str]) -> Case:
+  kw = dict(bias_correction=bias_correction, catch_up=catch_up,
+            weight_decay=0.0 if decay is None else 0.3,
+            decay_skipped_steps=decay == 'skipped')
+  return _variant(
+      ADAM_WITH_COUNTER, f'{bias_correction},catch_up={catch_up},'
+      f'decay={decay}',
+      lambda t, lr: reference.AdamWithCounter(t, lr=lr, **kw), **kw)
+
+
+# The rule against the model: every optimizer, in each configuration.
+RULE_CASES = CASES + (
+    _variant(LAZY_ADAM, 'amsgrad',
+             lambda t, lr: reference.TFLazyAdam(t, lr=lr, amsgrad=True),
+             amsgrad=True),
+    dataclasses.replace(
+        LAZY_ADAM, name='lazy_adamw', fn=lazy_optax.lazy_adamw,
+        kwargs=dict(weight_decay=0.1),
+        model=lambda t, lr: reference.TFLazyAdam(t, lr=lr, weight_decay=0.1)),
+    _variant(ROWWISE_ADAGRAD, 'l2',
+             lambda t, lr: reference.RowwiseAdagrad(
+                 t, lr=lr, weight_decay=0.3, mode='l2'),
+             weight_decay=0.3, weight_decay_mode='l2'),
+    _variant(ROWWISE_ADAGRAD, 'decoupled',
+             lambda t, lr: reference.RowwiseAdagrad(
+                 t, lr=lr, weight_decay=0.3, mode='decoupled'),
+             weight_decay=0.3, weight_decay_mode='decoupled'),
+    _variant(PARTIAL_ROWWISE_ADAM, 'weight_decay',
+             lambda t, lr: reference.PartialRowwiseAdam(
+                 t, lr=lr, weight_decay=0.1),
+             weight_decay=0.1),
+    *(_ftrl_variant(name, kw) for name, kw in _FTRL_CONFIGS.items()),
+    *(_counter_variant(*config) for config in (
+        ('per_row', False, None),
+        ('per_row', False, 'skipped'),
+        ('per_row', True, 'touched'),
+        ('global', False, 'touched'),
+        ('global', True, None),
+        ('global', True, 'skipped'),
+    )),
+)
+
+BY_NAME = {case.name: case for case in RULE_CASES}
+
+
+# -- helpers -----------------------------------------------------------------
+
+def batches(seed, num_rows, row_shape, steps, n_ids):
+  """Ids with heavy duplicates; rows seen early are absent later."""
+  rng = np.random.default_rng(seed)
+  out = []
+  for t in range(steps):
+    lo = (t * num_rows) // (2 * steps)
+    ids = rng.integers(lo, lo + num_rows // 3, n_ids)
+    ids[: n_ids // 4] = ids[0]  # a quarter of the batch is one id
+    out.append((ids.astype(np.int32),
+                rng.normal(size=(n_ids, *row_shape)).astype(np.float32)))
+  return out
+
+
+def table_for(case: Case, seed: int = 0, num_rows: int = NUM_ROWS,
+              d: int = D) -> np.ndarray:
+  rng = np.random.default_rng(seed)
+  return case.table_scale * rng.normal(size=(num_rows, d))
+
+
+def sparse_step(tx, num_rows):
+  def step(params, state, ids, values):
+    grads = {'table': lazy_optax.SparseRows(ids, values, num_rows)}
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+  return step
+
+
+def run(tx, table, data, jit=True, dtype=jnp.float32):
+  """Trains {'table': table} on `data`; returns (params, state)."""
+  params = {'table': jnp.asarray(table, dtype)}
+  state = tx.init(params)
+  step = sparse_step(tx, table.shape[0])
+  if jit:
+    step = jax.jit(step, donate_argnums=(0, 1))
+  for ids, values in data:
+    params, state = step(params, state, jnp.asarray(ids), jnp.asarray(values))
+  return params, state
+
+
+def run_model(case: Case, table, data, lr=None):
+  model = case.reference(table, lr)
+  for ids, values in data:
+    model.step(ids, values)
+  return model
+
+
+def run_dense(tx, table, grads):
+  params = jnp.asarray(table, jnp.float32)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, g):
+    updates, state = tx.update(g, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  for g in grads:
+    params, state = step(params, state, jnp.asarray(g, jnp.float32))
+  return params, state
+
+
+def untouched(data, num_rows):
+  seen = set()
+  for ids, _ in data:
+    seen.update(int(i) for i in ids if 0 <= i < num_rows)
+  return np.array([i for i in range(num_rows) if i not in seen])
+
+
+def slot(state, name, path='table'):
+  return lazy_optax.compat.get_slot(state, path, name)
+
+
+def count_of(state):
+  return int(lazy_optax.compat.global_step(state))
+
+
+def assert_matches_model(case: Case, params, state, model, path='table'):
+  """Table and every slot equal the model's, within the case's tolerances."""
+  np.testing.assert_allclose(np.asarray(params[path]), model.p,
+                             rtol=case.rtol, atol=case.atol)
+  for s in case.slots:
+    got = np.asarray(slot(state, s.name, path))
+    want = getattr(model, s.model_attr)
+    assert got.shape == want.shape, (s.name, got.shape, want.shape)
+    np.testing.assert_allclose(got, want, rtol=s.rtol, atol=s.atol,
+                               err_msg=s.name)
+
+
+def assert_checkpoint_resumes(tx, data, tmp_path, num_rows=40, d=3):
+  """Saves after half the steps with orbax, restores into eval_shape
+  targets, finishes: bit-for-bit equal to the uninterrupted run."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
+  def fresh():
+    rng = np.random.default_rng(0)
+    return {'table': jnp.asarray(rng.normal(size=(num_rows, d)), jnp.float32),
+            'bias': jnp.asarray(rng.normal(size=(d,)), jnp.float32)}
+
+  def step(params, state, ids, values):
+    grads = {'table': lazy_optax.SparseRows(ids, values, num_rows),
+             'bias': jnp.sum(values, axis=0)}
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  def go(params, state, part):
+    jitted = jax.jit(step, donate_argnums=(0, 1))
+    for ids, values in part:
+      params, state = jitted(params, state, ids, values)
+    return params, state
+
+  params = fresh()
+  straight = go(params, tx.init(params), data)
+  half = len(data) // 2
+  params = fresh()
+  params, state = go(params, tx.init(params), data[:half])
+  path = os.path.join(tmp_path, 'ckpt')
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, {'params': params, 'opt_state': state})
+  del params, state
+  params_abs = jax.eval_shape(fresh)
+  target = {'params': params_abs,
+            'opt_state': jax.eval_shape(tx.init, params_abs)}
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(path, target)
+  assert (jax.tree.structure(restored['opt_state'])
+          == jax.tree.structure(target['opt_state']))
+  for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(target)):
+    assert (got.shape, got.dtype) == (want.shape, want.dtype)
+  resumed = go(restored['params'], restored['opt_state'], data[half:])
+  assert (jax.tree.structure(resumed) == jax.tree.structure(straight))
+  for got, want in zip(jax.tree.leaves(resumed), jax.tree.leaves(straight)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  return resumed
+
+
+def assert_state_shardings_follow_rows(tx, slot_names):
+  """On a one-device mesh: per-row slots take the table's row sharding."""
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((1,), ('rows',))
+  rows = NamedSharding(mesh, P('rows', None))
+  params = {'table': jax.device_put(jnp.zeros((6, 4)), rows),
+            'bias': jax.device_put(jnp.zeros(4), NamedSharding(mesh, P()))}
+  shardings = lazy_optax.sharding.state_shardings(tx, params)
+  state = lazy_optax.sharding.init_sharded(tx, params)
+  assert jax.tree.structure(state) == jax.tree.structure(tx.init(params))
+  for name in slot_names:
+    leaf = lazy_optax.compat.get_slot(state, 'table', name)
+    spec = lazy_optax.compat.get_slot(shardings, 'table', name).spec
+    assert spec[0] == 'rows', (name, spec)
+    assert leaf.sharding.spec[0] == 'rows', (name, leaf.sharding)
+  assert lazy_optax.compat.global_step(state).sharding.spec == P()
+  return state
+
+
+def run_partitioned(table_tx, table, data, num_rows):
+  """Trains `{'table', 'w'}` with `table_tx` on the table, optax.adam on `w`.
+
+  An `optax.partition` labelled by `path_labels`, in a jitted step; `w`'s
+  gradient is the sum of the batch's rows. Returns `(params, state)`.
+  """
+  tx = optax.partition(
+      {'table': table_tx, 'rest': optax.adam(1e-2)},
+      lazy_optax.tree.path_labels(lambda name: 'table' if name == 'table'
+                                  else 'rest'))
+  params = {'table': jnp.asarray(table, jnp.float32),
+            'w': jnp.zeros(jnp.shape(table)[1:])}
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state, ids, values):
+    grads = {'table': lazy_optax.SparseRows(ids, values, num_rows),
+             'w': jnp.sum(values, 0)}
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  for ids, values in data:
+    params, state = step(params, state, ids, values)
+  return params, state

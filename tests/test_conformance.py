@@ -1,0 +1,443 @@
+"""What every optimizer must do, checked on each against its float64 model.
+
+The optimizers and their models are listed in tests/optimizer_cases.py:
+`RULE_CASES` (every configuration) for the rule, `CASES` (one per optimizer)
+for the other properties:
+
+* the rule: trained with heavy duplicates and rows that go absent, the table
+  and every state slot equal the float64 model, jitted or not; rows never
+  touched stay bit for bit as they started, in the table and every slot;
+* duplicates are summed before the update; out-of-range ids touch nothing;
+* a dense gradient gets the dense rule; every row touched once equals dense;
+* 16-bit tables and states, and dtypes that stay put under `jax.jit` and
+  `lax.cond`;
+* a donated step compiles once and updates the tables in place;
+* inside `optax.chain` (and as its `scale_by_...` form) and
+  `optax.partition`; with a schedule and `optax.inject_hyperparams`;
+* slots, state shardings that follow the rows, orbax checkpoints that resume
+  bit for bit; 8 simulated devices (tests/sharded_checks.py, one subprocess
+  for all optimizers).
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from optimizer_cases import assert_checkpoint_resumes
+from optimizer_cases import assert_matches_model
+from optimizer_cases import assert_state_shardings_follow_rows
+from optimizer_cases import batches
+from optimizer_cases import BY_NAME
+from optimizer_cases import CASES
+from optimizer_cases import count_of
+from optimizer_cases import D
+from optimizer_cases import NUM_ROWS
+from optimizer_cases import RULE_CASES
+from optimizer_cases import run
+from optimizer_cases import run_model
+from optimizer_cases import run_partitioned
+from optimizer_cases import slot
+from optimizer_cases import sparse_step
+from optimizer_cases import table_for
+from optimizer_cases import untouched
+import pytest
+from sharded_checks import run_checks
+
+import lazy_optax
+from lazy_optax import SparseRows
+
+each_case = pytest.mark.parametrize('case', CASES, ids=str)
+
+
+def _initial(case, name, dtype):
+  return np.asarray(next(s.initial for s in case.slots if s.name == name),
+                    dtype)
+
+
+# -- the rule ----------------------------------------------------------------
+
+@pytest.mark.parametrize('jit', [False, True])
+@pytest.mark.parametrize('case', RULE_CASES, ids=str)
+def test_rule_matches_float64_model(case, jit):
+  table = table_for(case)
+  data = batches(1, NUM_ROWS, (D,), steps=case.steps, n_ids=16)
+  model = run_model(case, table, data)
+  params, state = run(case.make(), table, data, jit=jit)
+  assert_matches_model(case, params, state, model)
+  assert count_of(state) == case.steps
+  # Absent rows: table and every slot bit for bit as they started.
+  rows = untouched(data, NUM_ROWS)
+  assert rows.size > 5
+  np.testing.assert_array_equal(np.asarray(params['table'])[rows],
+                                table.astype(np.float32)[rows])
+  for s in case.slots:
+    got = np.asarray(slot(state, s.name))
+    np.testing.assert_array_equal(got[rows], _initial(case, s.name, got.dtype),
+                                  err_msg=s.name)
+
+
+@each_case
+def test_duplicates_are_summed_before_the_update(case):
+  table = table_for(case, seed=2, num_rows=10)
+  rng = np.random.default_rng(3)
+  g = rng.normal(size=(4, D)).astype(np.float32)
+  repeated = [(np.array([3, 7, 3, 3], np.int32), g)]
+  summed = [(np.array([3, 7], np.int32),
+             np.stack([g[0] + g[2] + g[3], g[1]]))]
+  p_rep, s_rep = run(case.make(), table, repeated)
+  p_sum, s_sum = run(case.make(), table, summed)
+  np.testing.assert_allclose(p_rep['table'], p_sum['table'], rtol=1e-6,
+                             atol=1e-7)
+  for a, b in zip(jax.tree.leaves(s_rep), jax.tree.leaves(s_sum)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                               atol=1e-7)
+  model = run_model(case, table, repeated)
+  assert_matches_model(case, p_rep, s_rep, model)
+
+
+_OUT_OF_RANGE = [(case.name, case.make) for case in CASES] + [
+    ('lazy(chain(clip_by_global_norm(1), adam))',
+     lambda: lazy_optax.lazy(optax.chain(optax.clip_by_global_norm(1.0),
+                                         optax.adam(0.1))))]
+
+
+@pytest.mark.parametrize('name, make_tx', _OUT_OF_RANGE,
+                         ids=[n for n, _ in _OUT_OF_RANGE])
+def test_out_of_range_ids_under_jit_touch_nothing(name, make_tx):
+  table = 0.1 * np.arange(20, dtype=np.float32).reshape(10, 2)
+  # Huge values on out-of-range ids (negative ones would wrap in plain JAX
+  # indexing, and would dominate a global norm); only row 3 is in range.
+  ids = np.array([3, -1, 10, -10, 3, 15], np.int32)
+  values = np.full((6, 2), 1e6, np.float32)
+  values[[0, 4]] = 0.5
+  params, state = run(make_tx(), table, [(ids, values)], jit=True)
+  moved = np.flatnonzero(np.any(np.asarray(params['table']) != table, axis=1))
+  assert moved.tolist() == [3]
+  # Exactly the step with the in-range ids alone.
+  ok_params, ok_state = run(make_tx(), table,
+                            [(ids[[0, 4]], values[[0, 4]])], jit=True)
+  for a, b in zip(jax.tree.leaves((params, state)),
+                  jax.tree.leaves((ok_params, ok_state))):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+  case = BY_NAME.get(name)
+  if case is None:
+    return
+  others = np.array([i for i in range(10) if i != 3])
+  for s in case.slots:
+    got = np.asarray(slot(state, s.name))
+    np.testing.assert_array_equal(got[others],
+                                  _initial(case, s.name, got.dtype),
+                                  err_msg=s.name)
+    assert np.any(got[3] != _initial(case, s.name, got.dtype)), s.name
+  # The model drops them too.
+  assert_matches_model(case, params, state,
+                       run_model(case, table, [(ids, values)]))
+
+
+@pytest.mark.parametrize('jit', [False, True])
+@each_case
+def test_empty_batches_change_nothing_but_the_count(case, jit):
+  table = table_for(case, seed=11, num_rows=8)
+  rng = np.random.default_rng(12)
+  data = [(np.asarray(ids, np.int32),
+           rng.normal(size=(len(ids), D)).astype(np.float32))
+          for ids in ([], [4, 4, 1], [], [1, 6], [])]
+  tx = case.make()
+  params = {'table': jnp.asarray(table, jnp.float32)}
+  state = tx.init(params)
+  step = sparse_step(tx, 8)
+  if jit:
+    step = jax.jit(step)
+  for t, (ids, values) in enumerate(data, start=1):
+    new_params, new_state = step(params, state, jnp.asarray(ids),
+                                 jnp.asarray(values))
+    if t == 1:  # the update of an empty batch is still row-sparse
+      u, _ = tx.update({'table': SparseRows(ids, values, 8)}, state, params)
+      assert isinstance(u['table'], SparseRows) and u['table'].num_ids == 0
+    if not len(ids):
+      np.testing.assert_array_equal(new_params['table'], params['table'])
+      for s in case.slots:
+        np.testing.assert_array_equal(slot(new_state, s.name),
+                                      slot(state, s.name), err_msg=s.name)
+    assert count_of(new_state) == t
+    params, state = new_params, new_state
+  # An empty batch counts as a step (the bias correction sees it).
+  assert_matches_model(case, params, state, run_model(case, table, data))
+
+
+@each_case
+def test_rows_of_any_shape(case):
+  rng = np.random.default_rng(1)
+  table = case.table_scale * rng.normal(size=(NUM_ROWS, 2, 3))
+  data = batches(2, NUM_ROWS, (2, 3), steps=6, n_ids=12)
+  model = run_model(case, table, data)
+  params, state = run(case.make(), table, data)
+  assert_matches_model(case, params, state, model)
+  rows = untouched(data, NUM_ROWS)
+  assert rows.size
+  np.testing.assert_array_equal(np.asarray(params['table'])[rows],
+                                table.astype(np.float32)[rows])
+  touched = np.setdiff1d(np.arange(NUM_ROWS), rows)
+  for s in case.slots:  # every touched row's state moved
+    got = np.asarray(slot(state, s.name))
+    moved = np.any((got != _initial(case, s.name, got.dtype)).reshape(
+        NUM_ROWS, -1), axis=1)
+    assert moved[touched].all(), s.name
+
+
+@pytest.mark.parametrize('case', RULE_CASES, ids=str)
+def test_dense_gradient_is_the_dense_rule(case):
+  rng = np.random.default_rng(2)
+  table = case.table_scale * rng.normal(size=(6, 4))
+  grads = [rng.normal(size=(6, 4)) for _ in range(5)]
+  grads[1][2] = 0  # a zero row is still a row of a dense gradient
+  model = case.reference(table)
+  for g in grads:
+    model.step(np.arange(6), g)
+  tx = case.make()
+  params = {'table': jnp.asarray(table, jnp.float32)}
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, g: _apply(tx, p, s, {'table': g}))
+  for g in grads:
+    params, state = step(params, state, jnp.asarray(g, jnp.float32))
+  assert_matches_model(case, params, state, model)
+
+
+def _apply(tx, params, state, grads):
+  updates, state = tx.update(grads, state, params)
+  return lazy_optax.apply_updates(params, updates), state
+
+
+@pytest.mark.parametrize('case', RULE_CASES, ids=str)
+def test_every_row_touched_once_equals_dense(case):
+  rng = np.random.default_rng(3)
+  table = jnp.asarray(case.table_scale * rng.normal(size=(8, 5)), jnp.float32)
+  tx = case.make()
+  p_l, p_d = table, table
+  s_l, s_d = tx.init(table), tx.init(table)
+  for _ in range(4):
+    perm = rng.permutation(8)
+    g = jnp.asarray(rng.normal(size=(8, 5)), jnp.float32)
+    u_l, s_l = tx.update(SparseRows(perm, g[perm], 8), s_l, p_l)
+    u_d, s_d = tx.update(g, s_d, p_d)
+    p_l = lazy_optax.apply_updates(p_l, u_l)
+    p_d = lazy_optax.apply_updates(p_d, u_d)
+  np.testing.assert_allclose(p_l, p_d, rtol=1e-6, atol=1e-7)
+  for a, b in zip(jax.tree.leaves(s_l), jax.tree.leaves(s_d)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6,
+                               atol=1e-7)
+
+
+# -- dtypes ------------------------------------------------------------------
+
+_DTYPE_CASES = [(case, i) for case in CASES for i in range(len(case.dtypes))]
+
+
+@pytest.mark.parametrize('case, i', _DTYPE_CASES,
+                         ids=[f'{c.name}-{i}' for c, i in _DTYPE_CASES])
+def test_16bit_tables_and_states(case, i):
+  config = case.dtypes[i]
+  table = table_for(case, seed=4)
+  data = batches(5, NUM_ROWS, (D,), steps=6, n_ids=16)
+  model = run_model(case, table, data)
+  tx = case.fn(case.lr, **{**case.kwargs, **config.kwargs})
+  params, state = run(tx, table, data, dtype=config.table)
+  assert params['table'].dtype == config.table
+  for name, dtype in config.slot_dtypes.items():
+    assert slot(state, name).dtype == dtype, name
+  np.testing.assert_allclose(np.asarray(params['table'], np.float32), model.p,
+                             atol=config.atol)
+
+
+def _structs(tree):
+  return jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), tree,
+                      is_leaf=lazy_optax.tree.is_sparse_rows)
+
+
+_STABLE = [(case.name, case.make, dtype) for case in CASES
+           for dtype in (jnp.float32, jnp.bfloat16)] + [
+               ('lazy_adam(amsgrad, f32 moments)',
+                lambda: lazy_optax.lazy_adam(0.01, mu_dtype=jnp.float32,
+                                             nu_dtype=jnp.float32,
+                                             amsgrad=True), jnp.bfloat16),
+               ('lazy(optax.adam(mu_dtype=f32))',
+                lambda: lazy_optax.lazy(optax.adam(0.01,
+                                                   mu_dtype=jnp.float32)),
+                jnp.bfloat16)]
+
+
+@pytest.mark.parametrize(
+    'name, make_tx, dtype', _STABLE,
+    ids=[f'{n}-{jnp.dtype(d).name}' for n, _, d in _STABLE])
+def test_state_and_update_dtypes_are_stable(name, make_tx, dtype):
+  del name
+  tx = make_tx()
+  params = {'table': jnp.ones((20, 3), dtype), 'b': jnp.ones((3,), dtype)}
+  state = tx.init(params)
+  ids, values = batches(0, 20, (3,), steps=1, n_ids=8)[0]
+  grads = {'table': SparseRows(ids, jnp.asarray(values, dtype), 20),
+           'b': jnp.ones((3,), dtype)}
+  updates, new_state = jax.jit(tx.update)(grads, state, params)
+  assert _structs(new_state) == _structs(state)
+  # A SparseRows update has the dtype the dense update of the same rule has.
+  expected = jax.eval_shape(tx.update, params, state, params)[0]
+  assert updates['table'].values.dtype == expected['table'].dtype
+  assert updates['table'].ids.dtype == jnp.int32
+  assert updates['table'].values.shape == (len(ids), 3)
+  assert updates['b'].dtype == expected['b'].dtype
+  new_params = lazy_optax.apply_updates(params, updates)
+  assert _structs(new_params) == _structs(params)
+
+  # The state's types survive a lax.cond against "do nothing" (what
+  # optax.apply_if_finite and gradient-skipping loops need).
+  @jax.jit
+  def maybe_update(pred, params, state, grads):
+    def do(args):
+      params, state, grads = args
+      u, s = tx.update(grads, state, params)
+      return lazy_optax.apply_updates(params, u), s
+    return jax.lax.cond(pred, do, lambda args: args[:2],
+                        (params, state, grads))
+
+  for pred in (True, False):
+    p, s = maybe_update(pred, params, state, grads)
+    assert _structs(s) == _structs(state)
+    assert _structs(p) == _structs(params)
+  np.testing.assert_array_equal(p['table'], params['table'])  # pred False
+
+
+def test_bfloat16_duplicates_are_summed_in_float32():
+  # 1,000 copies of one id: a bfloat16 running sum stalls once the sum's
+  # ulp exceeds twice each value (at 256 for 1.0); the sum must be 1000.
+  tx = lazy_optax.lazy(optax.sgd(1.0))
+  params = jnp.zeros((4, 2), jnp.bfloat16)
+  ids = np.full(1000, 2, np.int32)
+  u, _ = tx.update(SparseRows(ids, jnp.ones((1000, 2), jnp.bfloat16), 4),
+                   tx.init(params))
+  assert u.values.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(lazy_optax.apply_updates(params, u)[2],
+                                [-1000, -1000])
+
+
+# -- donation ----------------------------------------------------------------
+
+@each_case
+def test_donated_step_compiles_once_and_updates_in_place(case):
+  tx = case.make()
+  table = table_for(case, seed=14)
+  data = batches(14, NUM_ROWS, (D,), steps=5, n_ids=12)
+  traces = []
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, ids, values):
+    traces.append(1)
+    grads = {'table': SparseRows(ids, values, NUM_ROWS)}
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  params = {'table': jnp.asarray(table, jnp.float32)}
+  state = tx.init(params)
+  for ids, values in data:
+    old = [params['table']] + [slot(state, s.name) for s in case.slots]
+    params, state = step(params, state, ids, values)
+    # Donated buffers were consumed (updated in place, not copied).
+    assert all(x.is_deleted() for x in old)
+  assert len(traces) == 1
+  assert_matches_model(case, params, state, run_model(case, table, data))
+
+
+# -- composition -------------------------------------------------------------
+
+@each_case
+def test_in_chain_and_partition(case):
+  table = table_for(case, seed=6)
+  data = batches(7, NUM_ROWS, (D,), steps=6, n_ids=16)
+  model = run_model(case, table, data)
+  params, state = run(case.chained(), table, data)
+  assert_matches_model(case, params, state, model)
+  params, state = run_partitioned(case.make(), table, data, NUM_ROWS)
+  assert_matches_model(case, params, state, model)
+
+
+@each_case
+def test_schedule_and_inject_hyperparams(case):
+  table = table_for(case, seed=8)
+  data = batches(9, NUM_ROWS, (D,), steps=5, n_ids=8)
+  schedule = optax.linear_schedule(2 * case.lr, case.lr / 2, 4)
+  model = case.reference(table)
+  for t, (ids, values) in enumerate(data):
+    model.lr = float(schedule(t))
+    model.step(ids, values)
+  params, state = run(case.make(schedule), table, data)
+  assert_matches_model(case, params, state, model)
+
+  kwargs = dict(case.kwargs)
+  if case.impl is not None:
+    kwargs['impl'] = case.impl
+  injected = optax.inject_hyperparams(case.fn)(learning_rate=case.lr,
+                                               **kwargs)
+  params, state = run(injected, table, data)
+  assert_matches_model(case, params, state, run_model(case, table, data))
+
+
+# -- state, checkpoints, devices ---------------------------------------------
+
+@each_case
+def test_slots_and_state_shardings(case):
+  tx = case.make()
+  params = {'table': jnp.zeros((NUM_ROWS, D))}
+  assert lazy_optax.compat.get_slot_names(tx.init(params), params) == list(
+      case.slot_names)
+  for s in case.slots:
+    assert slot(tx.init(params), s.name).shape[0] == NUM_ROWS
+  assert_state_shardings_follow_rows(tx, [s.name for s in case.slots])
+
+
+_CHECKPOINTED = [(case.name, case.make) for case in CASES] + [
+    ('lazy_adam(amsgrad)', lambda: lazy_optax.lazy_adam(0.05, amsgrad=True)),
+    ('lazy_adamw', lambda: lazy_optax.lazy_adamw(0.05, weight_decay=0.1)),
+    ('lazy(chain(clip, inject_hyperparams(adam)(schedule)))',
+     lambda: lazy_optax.lazy(optax.chain(
+         optax.clip_by_global_norm(1.0),
+         optax.inject_hyperparams(optax.adam)(
+             learning_rate=optax.linear_schedule(0.1, 0.01, 6))))),
+]
+
+
+@pytest.mark.parametrize('name, make_tx', _CHECKPOINTED,
+                         ids=[n for n, _ in _CHECKPOINTED])
+def test_checkpoint_resumes_bit_for_bit(name, make_tx, tmp_path):
+  del name
+  data = batches(10, NUM_ROWS, (D,), steps=6, n_ids=12)
+  resumed = assert_checkpoint_resumes(make_tx(), data, tmp_path)
+  assert count_of(resumed[1]) == 6
+  counts = [c for _, c in optax.tree_utils.tree_get_all_with_path(
+      resumed[1], 'count')]
+  assert counts and all(int(c) == 6 for c in counts)
+
+
+@pytest.fixture(scope='module')
+def eight_devices(tmp_path_factory):
+  return run_checks('conformance', tmp_path_factory.mktemp('sharded'))
+
+
+@pytest.mark.parametrize('axis_type', ['Auto', 'Explicit'])
+@each_case
+def test_sharded_on_8_devices(case, axis_type, eight_devices):
+  out = eight_devices[f'{case.name} {axis_type}']
+  assert 'error' not in out, out.get('error')
+  assert out['slots'] == [s.name for s in case.slots]
+  assert out['steps'] == 6
+  if axis_type == 'Auto':
+    assert out['resumed_after'] == 3
+
+
+def test_every_optimizer_of_the_top_level_is_a_case():
+  names = {case.fn.__name__ for case in CASES}
+  optimizers = {'lazy_adam', 'rowwise_adagrad', 'partial_rowwise_adam',
+                'ftrl', 'adam_with_counter'}
+  assert optimizers <= names
+  assert optimizers <= set(lazy_optax.__all__)
+  assert 'lazy_adamw' in {case.name for case in RULE_CASES}
