@@ -56,6 +56,16 @@ from lazy_optax._src.tree_ops import tree_pmean
 from lazy_optax._src.tree_ops import tree_psum
 from lazy_optax._src.tree_ops import tree_scale
 
+# isort: split
+# Hashed ids (issue 21): collision-free tables for unbounded id spaces.
+from lazy_optax._src.id_export import export_changes
+from lazy_optax._src.id_table import FreshRows
+from lazy_optax._src.id_table import IdCounters
+from lazy_optax._src.id_table import IdTable
+from lazy_optax._src.id_table import IdTableState
+from lazy_optax._src.id_words import split_ids
+from lazy_optax._src.reset_rows import reset_rows
+
 __version__ = '0.1.0'
 
 __all__ = (
@@ -103,4 +113,12 @@ __all__ = (
     'value_and_grad',
     'warn_if_not_donated',
     'with_id_checks',
+    # Hashed ids (issue 21).
+    'export_changes',
+    'FreshRows',
+    'IdCounters',
+    'IdTable',
+    'IdTableState',
+    'reset_rows',
+    'split_ids',
 )
