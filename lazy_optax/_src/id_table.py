@@ -413,6 +413,9 @@ class IdTable:
     where = 'IdTable.find'
     self._check_state(state, where)
     words, shape = id_words.to_words(raw_ids, where)
+    return _find_jit(self, state, words).reshape(shape)
+
+  def _find(self, state: IdTableState, words: jax.Array) -> jax.Array:
     valid = id_words.valid_words(words)
     homes = self._homes(words)
     win_words = _window(state.ids, homes, self.probe)
@@ -423,7 +426,7 @@ class IdTable:
             win_words[..., 1] == words[:, None, 1])
     hit_j = _first(match)
     found = valid & (hit_j < self.probe)
-    return jnp.where(found, homes + hit_j, self.capacity).reshape(shape)
+    return jnp.where(found, homes + hit_j, self.capacity)
 
   def stats(self, state: IdTableState) -> dict[str, int]:
     """The counters as Python ints (on the host): live ids and events.
@@ -491,7 +494,7 @@ class IdTable:
     self._check_state(state, where)
     words, shape = id_words.to_words(raw_ids, where)
     now = self._step(state, step, where)
-    slots, state, fresh, room = self._assign(state, words, now)
+    slots, state, fresh, room = _assign_jit(self, state, words, now)
     if self.checked:
       checks.check_id_table_room(room, state.live, self.capacity)
     return slots.reshape(shape), state, fresh
@@ -638,13 +641,17 @@ class IdTable:
     carry = ((state.ids, last_seen, state.claims), placed, placed_j,
              admitted, no_room, blocked)
     carry = full_round(carry)
-    for _ in range(self.rounds - 1):
+
+    def later_round(_, carry):
       # Exactly one round: all ids when more than `few` are left (rare), the
       # compacted few otherwise, nothing when none is left.
       left = _count(carry[3])
       carry = lax.cond(left > few, full_round, lambda x: x, carry)
-      carry = lax.cond((left <= few) & (left > 0), compact_round,
-                       lambda x: x, carry)
+      return lax.cond((left <= few) & (left > 0), compact_round,
+                      lambda x: x, carry)
+
+    if self.rounds > 1:
+      carry = lax.fori_loop(1, self.rounds, later_round, carry)
     ((ids_table, last_seen, claims), placed, placed_j, pending, no_room,
      blocked) = carry
     no_room = no_room | pending          # lost every round
@@ -738,3 +745,9 @@ class IdTable:
     halvings = jnp.floor_divide(now, period) - jnp.floor_divide(
         jnp.maximum(seen, 0), period)
     return count >> jnp.clip(halvings, 0, 31)
+
+
+# Jitted with the (hashable, frozen) table static: one compiled program per
+# table and batch shape when called eagerly; inlined under an outer jit.
+_assign_jit = jax.jit(IdTable._assign, static_argnums=0)
+_find_jit = jax.jit(IdTable._find, static_argnums=0)

@@ -202,6 +202,23 @@ def reset_rows(
     positions[pos] = rows
   if not positions:
     return params, opt_state
+  fresh = {name: FreshRows(*rows) for name, rows in fresh.items()}
+  try:
+    hash((tx, init))
+  except TypeError:
+    return _reset(tx, init, params, opt_state, fresh, key)
+  return _reset_jit(tx, init, params, opt_state, fresh, key)
+
+
+def _reset(tx: optax.GradientTransformation, init: Any, params: Any,
+           opt_state: Any, fresh: Mapping[str, FreshRows],
+           key: Any) -> tuple[Any, Any]:
+  """`reset_rows` after its checks."""
+  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
+  rebuild = treedef.unflatten  # type: ignore[attr-defined]
+  names = [path_name(p) for p, _ in flat]
+  leaves = [x for _, x in flat]
+  positions = {names.index(name): rows for name, rows in fresh.items()}
 
   shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
             for x in leaves]
@@ -269,3 +286,9 @@ def reset_rows(
     state_leaves[i] = value
   return rebuild(leaves), state_def.unflatten(  # type: ignore[attr-defined]
       state_leaves)
+
+
+# Jitted with `tx` and `init` static: one compiled program per signature when
+# called eagerly (instead of one dispatch per operation); inlined under an
+# outer jit.
+_reset_jit = jax.jit(_reset, static_argnums=(0, 1))
