@@ -13,13 +13,16 @@ examples) or `dev` (many random ones).
 import functools
 import os
 
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import given
+from hypothesis import HealthCheck
+from hypothesis import settings
+from hypothesis import strategies as st
+from id_table_reference import IdTableModel
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from id_table_reference import IdTableModel
 import lazy_optax
 from lazy_optax._src import id_words
 

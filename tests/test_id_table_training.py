@@ -14,18 +14,18 @@
 
 import os
 
+from id_table_reference import IdTableModel
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from reference import TFLazyAdam
 
-from id_table_reference import IdTableModel
 import lazy_optax
 from lazy_optax._src import id_words
 from lazy_optax._src import reset_rows as reset_module
-from reference import TFLazyAdam
 
 CAP, PROBE, D, N = 48, 6, 4, 16
 LR = 0.05
@@ -100,8 +100,8 @@ def test_1000_steps_equal_the_float64_model_of_policy_and_rule():
     if k % 250 == 249 or k == steps - 1:
       np.testing.assert_allclose(np.asarray(params['emb']), adam.p,
                                  rtol=2e-4, atol=2e-5)
-      np.testing.assert_allclose(np.asarray(optax.tree.get(opt_state, 'mu')['emb']), adam.m,
-                                 rtol=2e-4, atol=2e-6)
+      mu = optax.tree.get(opt_state, 'mu')['emb']
+      np.testing.assert_allclose(np.asarray(mu), adam.m, rtol=2e-4, atol=2e-6)
   # Evicted ids came back many times, each from its own initial row.
   assert admitted_twice > 100
   assert lazy_optax.IdTable.stats(table_ids, id_state)['evictions'] > 500
@@ -240,7 +240,7 @@ def test_reset_rows_jitted_equals_eager_and_is_batch_sized():
                fresh)
   jax.tree.map(np.testing.assert_array_equal, eager, out)
   text = compiled.as_text()
-  assert f'copy(' not in ''.join(
+  assert 'copy(' not in ''.join(
       line for line in text.splitlines() if f'[{cap},' in line)
 
 
