@@ -11,7 +11,10 @@ examples) or `dev` (many random ones).
 """
 
 import functools
+import json
 import os
+import subprocess
+import sys
 
 from hypothesis import given
 from hypothesis import HealthCheck
@@ -331,3 +334,19 @@ def test_bad_steps_and_states():
     table.find({'ids': 1}, np.array([1]))
   with pytest.raises(TypeError, match='IdTableState'):
     lazy_optax.export_changes({'ids': 1}, since_step=0)
+
+
+def test_sharded_over_8_devices_equals_one_device():
+  # Auto axes: the whole hashed train step; Explicit axes: assign,
+  # reset_rows and the lazy update. Same slots, counters and id state as on
+  # one device, parameters to float32 rounding, shardings kept.
+  script = os.path.join(os.path.dirname(__file__), 'id_table_sharded_checks.py')
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  env.pop('JAX_ENABLE_X64', None)
+  proc = subprocess.run([sys.executable, script], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  for run in out.values():
+    assert run['stats']['evictions'] > 0 and run['stats']['expirations'] > 0

@@ -49,6 +49,7 @@ import numpy as np
 from lazy_optax._src import checks
 from lazy_optax._src import id_hashing
 from lazy_optax._src import id_words
+from lazy_optax._src import sharding as _sharding
 
 _EVICTIONS = ('lru', 'lfu', 'none')
 _MAX_CAPACITY = 2 ** 31 - 2          # capacity itself must fit int32
@@ -413,6 +414,12 @@ class IdTable:
     where = 'IdTable.find'
     self._check_state(state, where)
     words, shape = id_words.to_words(raw_ids, where)
+    mesh = _sharding._explicit_mesh(state.ids)
+    if mesh is not None:
+      whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      return jax.sharding.auto_axes(
+          functools.partial(_find_jit, self), axes=mesh.explicit_axes,
+          out_sharding=whole)(state, words).reshape(shape)
     return _find_jit(self, state, words).reshape(shape)
 
   def _find(self, state: IdTableState, words: jax.Array) -> jax.Array:
@@ -494,7 +501,19 @@ class IdTable:
     self._check_state(state, where)
     words, shape = id_words.to_words(raw_ids, where)
     now = self._step(state, step, where)
-    slots, state, fresh, room = _assign_jit(self, state, words, now)
+    mesh = _sharding._explicit_mesh(state.ids)
+    if mesh is None:
+      slots, state, fresh, room = _assign_jit(self, state, words, now)
+    else:
+      # Under an Explicit mesh the claims run with the mesh's axes made
+      # Auto (XLA partitions the gathers and scatters as for any step); the
+      # state keeps its shardings, the batch-sized outputs are replicated.
+      whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      specs = jax.tree.map(lambda x: jax.typeof(x).sharding, state)
+      slots, state, fresh, room = jax.sharding.auto_axes(
+          functools.partial(_assign_jit, self), axes=mesh.explicit_axes,
+          out_sharding=(whole, specs, FreshRows(whole, whole), whole))(
+              state, words, now)
     if self.checked:
       checks.check_id_table_room(room, state.live, self.capacity)
     return slots.reshape(shape), state, fresh

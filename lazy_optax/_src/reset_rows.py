@@ -27,6 +27,7 @@ import optax
 
 from lazy_optax._src import id_hashing
 from lazy_optax._src import row_state
+from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.id_table import FreshRows
 from lazy_optax._src.paths import path_name
 
@@ -187,8 +188,7 @@ def reset_rows(
   if init is not None and key is None:
     raise ValueError('reset_rows: give a key (jax.random.key(...)) for init, '
                      'or init=None for zero rows.')
-  flat, treedef = jax.tree_util.tree_flatten_with_path(params)
-  rebuild = treedef.unflatten  # type: ignore[attr-defined]
+  flat = jax.tree_util.tree_flatten_with_path(params)[0]
   names = [path_name(p) for p, _ in flat]
   leaves = [x for _, x in flat]
   positions: dict[int, FreshRows] = {}
@@ -252,7 +252,8 @@ def _reset(tx: optax.GradientTransformation, init: Any, params: Any,
         rows = fresh_rows(init, key, ids, row_shape, dtype,
                           names[pos]).astype(dtype)
       stand_in[pos] = rows
-      table_leaves[k] = table_leaves[k].at[slots].set(rows, mode='drop')
+      table_leaves[k] = table_leaves[k].at[slots].set(
+          rows, mode='drop', **_sharding.scatter_kwargs(table_leaves[k]))
     if wanted:
       fresh_state = _fresh_state_leaves(tx.init, rebuild(stand_in), wanted)
       for k, (i, value) in enumerate(zip(wanted, fresh_state)):
@@ -266,8 +267,9 @@ def _reset(tx: optax.GradientTransformation, init: Any, params: Any,
               f'reset_rows: tx.init gives a state leaf of shape '
               f'{tuple(value.shape)} for {slots.shape[0]} fresh rows, '
               f'expected {expected}.')
-        owned_leaves[k] = leaf.at[slots].set(value.astype(leaf.dtype),
-                                             mode='drop')
+        owned_leaves[k] = leaf.at[slots].set(
+            value.astype(leaf.dtype), mode='drop',
+            **_sharding.scatter_kwargs(leaf))
     return tuple(table_leaves), tuple(owned_leaves)
 
   carry = (tuple(leaves[pos] for pos in positions),
