@@ -508,7 +508,8 @@ class IdTable:
       # Under an Explicit mesh the claims run with the mesh's axes made
       # Auto (XLA partitions the gathers and scatters as for any step); the
       # state keeps its shardings, the batch-sized outputs are replicated.
-      whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+      whole: Any = jax.sharding.NamedSharding(mesh,
+                                              jax.sharding.PartitionSpec())
       specs = jax.tree.map(lambda x: jax.typeof(x).sharding, state)
       slots, state, fresh, room = jax.sharding.auto_axes(
           functools.partial(_assign_jit, self), axes=mesh.explicit_axes,
