@@ -641,12 +641,8 @@ class IdTable:
       new_tables, results = round_on(tables, per_id, pending)
       return merge(carry, new_tables, results)
 
-    # After the first round few ids are left (those that lost a claim): the
-    # later rounds take them compacted into `few` rows when they fit, and
-    # all `n` rows when they do not (never a subset chosen by position).
-    few = min(n, max(32, n // 16))
-
-    def compact_round(carry):
+    def compact_round(few, carry):
+      """A round for the pending ids compacted into `few` rows."""
       tables, _, _, pending, _, _ = carry
       rank = jnp.cumsum(pending.astype(jnp.int32)) - 1
       sel = jnp.full((few,), n, jnp.int32).at[
@@ -658,20 +654,25 @@ class IdTable:
               for r in results]
       return merge(carry, new_tables, tuple(back))
 
-    carry = ((state.ids, last_seen, state.claims), placed, placed_j,
-             admitted, no_room, blocked)
-    carry = full_round(carry)
-
-    def later_round(_, carry):
-      # Exactly one round: all ids when more than `few` are left (rare), the
-      # compacted few otherwise, nothing when none is left.
+    def one_round(few, carry):
+      # The pending ids compacted into `few` rows when they fit (most ids of
+      # a batch are hits), all `n` rows when they do not: never a subset
+      # chosen by position, so the result does not depend on batch order.
       left = _count(carry[3])
       carry = lax.cond(left > few, full_round, lambda x: x, carry)
-      return lax.cond((left <= few) & (left > 0), compact_round,
-                      lambda x: x, carry)
+      return lax.cond((left <= few) & (left > 0),
+                      functools.partial(compact_round, few), lambda x: x,
+                      carry)
 
+    carry = ((state.ids, last_seen, state.claims), placed, placed_j,
+             admitted, no_room, blocked)
+    # The first round: the batch's new ids (a share of it once the hot ids
+    # hold rows); later rounds: the few that lost a claim.
+    carry = one_round(min(n, max(32, n // 4)), carry)
     if self.rounds > 1:
-      carry = lax.fori_loop(1, self.rounds, later_round, carry)
+      later = min(n, max(32, n // 16))
+      carry = lax.fori_loop(
+          1, self.rounds, lambda _, c: one_round(later, c), carry)
     ((ids_table, last_seen, claims), placed, placed_j, pending, no_room,
      blocked) = carry
     no_room = no_room | pending          # lost every round
