@@ -324,7 +324,24 @@ def _check_id_table(table: Any, where: str) -> IdTable:
   return table
 
 
-class HashEmbed(nn.Module):
+class _HashEmbedTable(nn.Module):
+  """The `[table.capacity, features]` parameter of the hashed-id layers."""
+
+  table: IdTable
+  features: int
+  dtype: Optional[Any] = None
+  param_dtype: Any = jnp.float32
+  embedding_init: Callable[..., Any] = nn.initializers.variance_scaling(
+      1.0, 'fan_in', 'normal', out_axis=0)
+
+  def setup(self):
+    _check_id_table(self.table, 'lazy_optax.flax.HashEmbed')
+    self.embedding = self.param('embedding', self.embedding_init,
+                                (self.table.capacity, self.features),
+                                self.param_dtype)
+
+
+class HashEmbed(_HashEmbedTable):
   """Rows of a `lazy_optax.IdTable`'s slots, in Flax linen.
 
   The parameter `embedding` is `[table.capacity, features]`; the layer takes
@@ -359,19 +376,6 @@ class HashEmbed(nn.Module):
     SparseRows(num_rows=100, ids=2, row_shape=(4,), dtype=float32)
   """
 
-  table: IdTable
-  features: int
-  dtype: Optional[Any] = None
-  param_dtype: Any = jnp.float32
-  embedding_init: Callable[..., Any] = nn.initializers.variance_scaling(
-      1.0, 'fan_in', 'normal', out_axis=0)
-
-  def setup(self):
-    _check_id_table(self.table, 'lazy_optax.flax.HashEmbed')
-    self.embedding = self.param('embedding', self.embedding_init,
-                                (self.table.capacity, self.features),
-                                self.param_dtype)
-
   def __call__(self, slots: Any) -> Any:
     """Reads the rows of the slots.
 
@@ -387,11 +391,12 @@ class HashEmbed(nn.Module):
         caller='lazy_optax.flax.HashEmbed')
 
 
-class HashEmbedBag(HashEmbed):
+class HashEmbedBag(_HashEmbedTable):
   """Bags of slots of a `lazy_optax.IdTable`, pooled by `lookup_bag`.
 
-  As `HashEmbed`, with `mode` (`'sum'`, `'mean'`, `'max'`); slot `capacity`
-  (an id without a row) is left out of its bag.
+  As `HashEmbed` (same attributes and parameter), with `mode` (`'sum'`,
+  `'mean'`, `'max'`); slot `capacity` (an id without a row) is left out of
+  its bag.
 
   Example:
     >>> import jax, numpy as np

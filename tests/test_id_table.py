@@ -13,6 +13,7 @@ examples) or `dev` (many random ones).
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -350,3 +351,18 @@ def test_sharded_over_8_devices_equals_one_device():
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   for run in out.values():
     assert run['stats']['evictions'] > 0 and run['stats']['expirations'] > 0
+
+
+def test_every_python_block_of_the_guide_runs_in_order():
+  guide = os.path.join(os.path.dirname(__file__), '..', 'docs',
+                       'hashed_ids.md')
+  with open(guide) as f:
+    blocks = re.findall(r'```python\n(.*?)```', f.read(), re.S)
+  assert len(blocks) == 2
+  namespace = {}
+  for i, code in enumerate(blocks):
+    exec(compile(code, f'hashed_ids.md[block {i}]', 'exec'), namespace)
+  stats = namespace['table_ids'].stats(namespace['id_state'])
+  assert stats['admissions'] == 20 * 64 > stats['live']
+  assert stats['live'] + stats['evictions'] == stats['admissions']
+  assert 0 < len(namespace['changed_ids']) <= 10 * 64
