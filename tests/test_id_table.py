@@ -32,7 +32,7 @@ from lazy_optax._src import id_words
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
 settings.register_profile(
-    'id_table_ci', max_examples=6, derandomize=True, deadline=None,
+    'id_table_ci', max_examples=5, derandomize=True, deadline=None,
     database=None, suppress_health_check=_HEALTH, print_blob=True)
 settings.register_profile(
     'id_table_dev', max_examples=200, deadline=None,
@@ -54,6 +54,8 @@ CONFIGS = {
                    admit_after=3, lfu_period=2, rounds=2), 12),
 }
 LOG = 4096
+# One small table and batch shape for the eager tests: one compiled assign.
+T8 = lazy_optax.IdTable(capacity=8, probe=4, eviction_log=3)
 
 
 @functools.cache
@@ -71,7 +73,7 @@ def _streams(n):
   steps = st.lists(
       st.tuples(st.integers(0, 3),
                 st.lists(st.integers(0, 10 ** 6), min_size=n, max_size=n)),
-      min_size=5, max_size=30)
+      min_size=5, max_size=20)
   return st.tuples(pool, steps, st.integers(0, 2 ** 31))
 
 
@@ -200,7 +202,7 @@ def test_find_never_inserts_or_moves_anything():
 
 
 def test_concrete_int32_and_int64_ids_give_the_same_slots():
-  table = lazy_optax.IdTable(capacity=32, probe=4)
+  table = T8
   ids = np.array([3, 70000, 3, 12], np.int64)
   a = table.assign(table.init(), ids, step=0)[0]
   b = table.assign(table.init(), ids.astype(np.int32), step=0)[0]
@@ -211,29 +213,30 @@ def test_concrete_int32_and_int64_ids_give_the_same_slots():
 
 
 def test_slots_keep_the_ids_shape_and_default_step_advances():
-  table = lazy_optax.IdTable(capacity=64, probe=8)
-  ids = np.arange(12, dtype=np.int64).reshape(3, 4) * 10 ** 15
+  table = T8
+  ids = np.arange(4, dtype=np.int64).reshape(2, 2) * 10 ** 15
   slots, state, fresh = table.assign(table.init(), ids)
-  assert slots.shape == (3, 4) and int(state.step) == 0
-  assert fresh.slots.shape == (12,) and fresh.ids.shape == (12, 2)
+  assert slots.shape == (2, 2) and int(state.step) == 0
+  assert fresh.slots.shape == (4,) and fresh.ids.shape == (4, 2)
   _, state, _ = table.assign(state, ids)
   assert int(state.step) == 1
 
 
 def test_eviction_log_overflow_is_refused_not_guessed():
-  table = lazy_optax.IdTable(capacity=4, probe=4, eviction_log=3)
+  table = T8                                       # a ring of 3 evictions
   state = table.init()
   for k in range(4):
     _, state, _ = table.assign(state, np.arange(4 * k, 4 * k + 4), step=k)
+  assert table.stats(state)['evictions'] > 3
   with pytest.raises(ValueError, match='eviction_log'):
     lazy_optax.export_changes(state, since_step=1)
-  # A later window whose evictions all survive in the ring is exact.
-  _, _, evicted = lazy_optax.export_changes(state, since_step=4)
-  assert evicted.tolist() == []
+  # A window with no evictions yet is exact.
+  changed, _, evicted = lazy_optax.export_changes(state, since_step=4)
+  assert changed.tolist() == evicted.tolist() == []
 
 
 def test_counters_do_not_wrap_around():
-  table = lazy_optax.IdTable(capacity=4, probe=4)
+  table = T8
   state = table.init()
   near = np.array([0, 2 ** 32 - 3], np.uint32)
   state = state._replace(counters=state.counters._replace(admissions=near))
@@ -320,15 +323,15 @@ def test_bad_table_arguments(kwargs, error, match):
 
 
 def test_bad_steps_and_states():
-  table = lazy_optax.IdTable(capacity=8, probe=4)
-  _, state, _ = table.assign(table.init(), np.array([1]), step=5)
+  table = T8
+  _, state, _ = table.assign(table.init(), np.arange(4), step=5)
   with pytest.raises(ValueError, match='step 4 is before the state'):
-    table.assign(state, np.array([1]), step=4)
+    table.assign(state, np.arange(4), step=4)
   with pytest.raises(ValueError, match='step must lie in'):
     table.assign(table.init(), np.array([1]), step=-1)
   with pytest.raises(TypeError, match='step must be an integer'):
     table.assign(table.init(), np.array([1]), step=1.5)
-  other = lazy_optax.IdTable(capacity=16, probe=4).init()
+  other = lazy_optax.IdTable(capacity=16, probe=4, eviction_log=3).init()
   with pytest.raises(ValueError, match='state.ids has uint32'):
     table.assign(other, np.array([1]), step=0)
   with pytest.raises(TypeError, match='IdTableState'):
