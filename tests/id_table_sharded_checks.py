@@ -73,7 +73,7 @@ def _step_fn(table_ids, tx, lookup):
 
 def run(mesh, lookup):
   table_ids = lazy_optax.IdTable(capacity=CAP, probe=PROBE, ttl=8,
-                                 eviction='lfu', lfu_period=5)
+                                 eviction='lfu', lfu_period=5, admit_after=2)
   tx = lazy_optax.lazy_adam(0.05)
   params = {'emb': jnp.zeros((CAP, D), jnp.float32)}
   opt_state = tx.init(params)

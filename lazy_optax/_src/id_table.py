@@ -327,8 +327,9 @@ class IdTable:
     """Shardings for the state: slot arrays split over `axis` of `mesh`.
 
     Slot `s` lives with row `s` of a table sharded by rows over the same
-    axis (hash buckets are contiguous slot ranges); the sketch, the wheel,
-    the log and the scalars are replicated.
+    axis (hash buckets are contiguous slot ranges). The eviction log and the
+    sketch's columns are split too when their sizes divide evenly; the
+    wheel, counters and scalars are replicated.
 
     Args:
       mesh: a `jax.sharding.Mesh`.
@@ -338,14 +339,25 @@ class IdTable:
       An `IdTableState` of `NamedSharding`s (give it to `jax.device_put` or
       as the jitted step's `in_shardings`/`out_shardings`).
     """
-    split: Any = jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec(axis))
-    whole: Any = jax.sharding.NamedSharding(mesh,
-                                            jax.sharding.PartitionSpec())
+    P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
+    names = axis if isinstance(axis, tuple) else (axis,)
+    devices = 1
+    for name in names:
+      devices *= mesh.shape[name]
+
+    def spec(*parts: Any) -> Any:
+      return jax.sharding.NamedSharding(mesh, P(*parts))
+
+    def split_if(size: int, *parts: Any) -> Any:
+      return spec(*parts) if size and size % devices == 0 else spec()
+
+    whole = spec()
+    log = self._log_size
     return IdTableState(
-        ids=split, last_seen=split,
-        counts=split if self.eviction == 'lfu' else whole, claims=split,
-        sketch=whole, wheel=whole, log_ids=whole, log_steps=whole,
+        ids=spec(axis), last_seen=spec(axis),
+        counts=spec(axis) if self.eviction == 'lfu' else whole,
+        claims=spec(axis), sketch=split_if(self._sketch_shape[1], None, axis),
+        wheel=whole, log_ids=split_if(log, axis), log_steps=split_if(log, axis),
         log_next=whole, log_lost=whole, step=whole, live=whole,
         counters=IdCounters(*([whole] * len(IdCounters._fields))))
 
