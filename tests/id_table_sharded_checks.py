@@ -37,7 +37,7 @@ import numpy as np
 
 import lazy_optax  # pylint: disable=g-import-not-at-top
 
-CAP, PROBE, D, N, STEPS = 256, 8, 4, 64, 16
+CAP, PROBE, D, N, STEPS = 128, 8, 4, 64, 16
 
 
 def _stream():
