@@ -155,8 +155,8 @@ def test_batch_order_and_duplicates_do_not_change_the_mapping(data):
   a = b = lazy_optax.IdTable(eviction_log=LOG, **cfg).init()
   for k, (_, picks) in enumerate(steps):
     ids = np.array([pool[p % len(pool)] for p in picks], np.int64)
+    ids[-1] = ids[0]                       # a duplicate, at least
     perm = rng.permutation(ids)
-    perm[-1] = perm[0]                     # another duplicate
     slots_a, a, _ = assign(a, lazy_optax.split_ids(ids), k)
     slots_b, b, _ = assign(b, lazy_optax.split_ids(perm), k)
     map_a = dict(zip(ids.tolist(), np.asarray(slots_a).tolist()))
@@ -174,7 +174,7 @@ def test_an_id_seen_every_step_keeps_its_slot(data):
   cfg, n = CONFIGS['lru']
   table, assign, _ = _compiled('lru')
   pool, steps, _ = data.draw(_streams(n))
-  hot = 2 ** 62 + 12345
+  hot = 0          # the smallest id wins every claim: a slot at step 0
   state, slot = table.init(), None
   for k, (gap, picks) in enumerate(steps):
     ids = np.array([hot] + [pool[p % len(pool)] for p in picks[1:]],

@@ -31,6 +31,10 @@ universe of `--universe` raw ids (10**9), `--batch` ids a step (4,096):
    else the fallback row shared with other ids; eviction only by TTL in
    hours, so none within a run) on the host, and times the CPU lookups.
 
+4. **Initial rows keyed by raw id**: `reset_rows`' counter-based hash keys
+   against threefry keys folded from each id, for `normal` and `uniform`
+   rows of the whole batch.
+
 The loss is `mean((rows @ w - 1)^2)` with `w` a `[dim]` weight.
 """
 
@@ -235,6 +239,45 @@ def assign_alone(args: argparse.Namespace, stream: np.ndarray) -> dict:
   }
 
 
+def init_cost(args: argparse.Namespace, stream: np.ndarray) -> dict:
+  """Part 4: initial rows for a batch of raw ids, keyed by the raw id.
+
+  `reset_rows`' keys (a counter-based hash PRNG: integer mixing of the key
+  and the id) against threefry keys folded from the id (`fold_in` of both
+  words), for `normal` and `uniform` rows of `dim` floats, all `batch` ids.
+  """
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  import lazy_optax  # pylint: disable=g-import-not-at-top
+  from lazy_optax._src import reset_rows as reset_module  # noqa: E501
+
+  words = jnp.asarray(lazy_optax.split_ids(stream[0]))
+  key = jax.random.key(0)
+  out = {}
+  for name, init in (('normal', jax.nn.initializers.normal(0.01)),
+                     ('uniform', jax.nn.initializers.uniform(0.01))):
+    hashed = jax.jit(lambda w, init=init: reset_module.fresh_rows(
+        init, key, w, (args.dim,), jnp.float32, 'table'))
+
+    def threefry_rows(w, init=init):
+      keys = jax.vmap(lambda x: jax.random.fold_in(
+          jax.random.fold_in(key, x[0]), x[1]))(w)
+      return jax.vmap(lambda k: init(k, (args.dim,), jnp.float32))(keys)
+
+    threefry = jax.jit(threefry_rows)
+    times = {'hash': [], 'threefry': []}
+    for f in (hashed, threefry):
+      f(words).block_until_ready()
+    for _ in range(max(20, args.steps // 3)):
+      for label, f in (('hash', hashed), ('threefry', threefry)):
+        t0 = time.perf_counter()
+        f(words).block_until_ready()
+        times[label].append(time.perf_counter() - t0)
+    out[name] = {label: _median_ms(t) for label, t in times.items()}
+  return out
+
+
 def fbgemm(args: argparse.Namespace, stream: np.ndarray) -> dict:
   """Part 3: FBGEMM's CPU `zero_collision_hash` in its own interpreter."""
   python = args.fbgemm_python
@@ -272,7 +315,7 @@ def main(argv: list[str] | None = None) -> dict:
                       help='small sizes, for a smoke run')
   parser.add_argument('--skip', default='',
                       help='comma-separated parts to skip: train,assign,'
-                      'fbgemm')
+                      'init,fbgemm')
   args = parser.parse_args(argv)
   if args.quick:
     args.capacity, args.steps, args.warmup = 20_000, 20, 3
@@ -305,6 +348,12 @@ def main(argv: list[str] | None = None) -> dict:
           f"{a['assign_ids_per_s'] / 1e6:.2f} M ids/s, own row "
           f"{a['own_row_fraction']:.4f}; find: {a['find_ms']:.3f} ms, "
           f"{a['find_ids_per_s'] / 1e6:.2f} M ids/s", flush=True)
+  if 'init' not in skip:
+    out['init'] = init_cost(args, stream)
+    for name, t in out['init'].items():
+      print(f"initial rows of {args.batch} ids x {args.dim} ({name}): hash "
+            f"keys {t['hash']:.3f} ms, threefry fold_in {t['threefry']:.3f} "
+            'ms', flush=True)
   if 'fbgemm' not in skip:
     out['fbgemm'] = fbgemm(args, stream)
     f = out['fbgemm']
