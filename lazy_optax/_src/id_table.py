@@ -11,8 +11,9 @@ over ids or an array the size of the table.
 
 How `assign` places a batch (all steps batch-sized):
 
-1. Each id hashes to a home slot; its probe window is the `probe` slots that
-   follow (circularly). One gather reads the window's ids and last-seen
+1. Each id hashes to a home slot in `[0, capacity - probe]`; its probe
+   window is the `probe` slots from there (one contiguous slice: windows do
+   not wrap around). One slice gather reads the windows' ids and last-seen
    steps.
 2. An id found live in its window is a hit: its slot is marked seen at this
    step, so no new id of the same step can take it.
@@ -53,7 +54,7 @@ from lazy_optax._src import sharding as _sharding
 
 _EVICTIONS = ('lru', 'lfu', 'none')
 _MAX_CAPACITY = 2 ** 31 - 2          # capacity itself must fit int32
-EMPTY_STEP = -(2 ** 30)     # last_seen of a slot that never held an id
+EMPTY_STEP = -(2 ** 30)              # last_seen of a never-used slot
 _BIG_STEP = 2 ** 31 - 1
 _COUNT_LIMIT = 2 ** 30
 
