@@ -446,7 +446,7 @@ class IdTable:
             win_words[..., 1] == words[:, None, 1])
     hit_j = _first(match)
     found = valid & (hit_j < self.probe)
-    return jnp.where(found, homes + hit_j, self.capacity)
+    return jnp.where(found, homes + hit_j, self.capacity).astype(jnp.int32)
 
   def stats(self, state: IdTableState) -> dict[str, int]:
     """The counters as Python ints (on the host): live ids and events.
@@ -769,7 +769,12 @@ class IdTable:
         sketch=sketch, wheel=wheel, log_ids=log_ids, log_steps=log_steps,
         log_next=log_next, log_lost=log_lost, step=now, live=live,
         counters=counters)
-    fresh = FreshRows(jnp.where(inserted, slot, c), words)
+    # The state keeps its dtypes (under jax_enable_x64 scalar arithmetic
+    # would otherwise widen some leaves to 64 bits).
+    new_state = jax.tree.map(lambda new, old: new.astype(old.dtype),
+                             new_state, state)
+    slot = slot.astype(jnp.int32)
+    fresh = FreshRows(jnp.where(inserted, slot, c).astype(jnp.int32), words)
     return slot, new_state, fresh, _count(no_room)
 
   def _decayed(self, count: jax.Array, seen: jax.Array,
