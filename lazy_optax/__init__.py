@@ -2,17 +2,18 @@
 optimizer.
 
 The top level holds the core (`SparseRows`, `lazy`, `apply_updates`,
-`lookup`, `lookup_bag`, `value_and_grad`) and the optimizers with their
-`scale_by_*` transformations and states, and `kernel_status` /
-`explain_update` (which row-update implementation runs, and why). The rest
-lives in submodules, one
-concept each: `lazy_optax.tree` (gradient-tree arithmetic, paths and
-labels), `lazy_optax.checks` (the checked mode), `lazy_optax.sharding`
-(row-sharded optimizer state), `lazy_optax.perf` (donated train steps, huge
-pages), `lazy_optax.precision` (stochastic rounding), `lazy_optax.wrappers`
-(`multi_steps`) and `lazy_optax.compat` (TensorFlow/Keras helpers). The
-framework layers are imported on request: `lazy_optax.flax`,
-`lazy_optax.haiku`, `lazy_optax.equinox`.
+`lookup`, `lookup_bag`, `value_and_grad`), the optimizers with their
+`scale_by_*` transformations and states, `kernel_status` and
+`explain_update` (which row-update implementation runs, and why), and the
+hashed id tables (`IdTable`, `reset_rows`, `export_changes`, `split_ids`).
+The rest lives in submodules, one concept each: `lazy_optax.tree`
+(gradient-tree arithmetic, paths and labels), `lazy_optax.checks` (the
+checked mode), `lazy_optax.sharding` (row-sharded optimizer state),
+`lazy_optax.perf` (donated train steps, huge pages), `lazy_optax.precision`
+(stochastic rounding), `lazy_optax.wrappers` (`multi_steps`) and
+`lazy_optax.compat` (TensorFlow/Keras helpers). The framework layers are
+imported on request: `lazy_optax.flax`, `lazy_optax.haiku`,
+`lazy_optax.equinox`.
 """
 
 from lazy_optax import checks
@@ -48,6 +49,16 @@ from lazy_optax._src.rowwise_adagrad import scale_by_rowwise_adagrad
 from lazy_optax._src.rowwise_adagrad import ScaleByRowwiseAdagradState
 from lazy_optax._src.sparse_rows import SparseRows
 
+# isort: split
+# Hashed ids: collision-free tables for unbounded id spaces.
+from lazy_optax._src.id_export import export_changes
+from lazy_optax._src.id_table import FreshRows
+from lazy_optax._src.id_table import IdCounters
+from lazy_optax._src.id_table import IdTable
+from lazy_optax._src.id_table import IdTableState
+from lazy_optax._src.id_words import split_ids
+from lazy_optax._src.reset_rows import reset_rows
+
 __version__ = '0.1.0'
 
 __all__ = (
@@ -78,6 +89,14 @@ __all__ = (
     # Which row-update implementation runs where, and why.
     'kernel_status',
     'explain_update',
+    # Hashed ids: collision-free rows for unbounded id spaces.
+    'IdTable',
+    'IdTableState',
+    'IdCounters',
+    'FreshRows',
+    'reset_rows',
+    'export_changes',
+    'split_ids',
 )
 
 # Names that moved in 0.2. They keep working until 0.3, each use with a

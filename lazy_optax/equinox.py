@@ -40,6 +40,7 @@ import jax
 from lazy_optax._src import lookups
 from lazy_optax._src.apply import apply_updates as _apply_updates
 from lazy_optax._src.grads import value_and_grad
+from lazy_optax._src.id_table import IdTable
 from lazy_optax._src.sparse_rows import is_sparse_rows
 
 
@@ -239,5 +240,100 @@ def apply_updates(model: Any, updates: Any) -> Any:
                       is_leaf=lambda x: x is None or is_sparse_rows(x))
 
 
+# -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
+
+def _check_id_table(table: Any, where: str) -> IdTable:
+  if not isinstance(table, IdTable):
+    raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
+                    f'{type(table).__name__}.')
+  return table
+
+
+class HashEmbedding(Embedding):
+  """Rows of a `lazy_optax.IdTable`'s slots, in Equinox.
+
+  An `Embedding` of `table.capacity` rows (`weight`) that takes the slots of
+  `table.assign` (training) or `table.find` (serving); slot `capacity` (an
+  id without a row) reads zeros and never produces a gradient row. The table
+  is a static field. Reset the rows of fresh slots with
+  `lazy_optax.reset_rows` (table path `'weight'` for a model that is this
+  layer) before the step's forward pass.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> import lazy_optax, lazy_optax.equinox
+    >>> table_ids = lazy_optax.IdTable(capacity=100, probe=8)
+    >>> emb = lazy_optax.equinox.HashEmbedding(table_ids, 4,
+    ...                                        key=jax.random.key(0))
+    >>> slots, _, _ = table_ids.assign(table_ids.init(), np.array([2**40]),
+    ...                                step=0)
+    >>> loss, grads = lazy_optax.equinox.filter_value_and_grad(
+    ...     lambda m, s: (m(s) ** 2).sum())(emb, slots)
+    >>> grads.weight
+    SparseRows(num_rows=100, ids=1, row_shape=(4,), dtype=float32)
+  """
+
+  table: IdTable = eqx.field(static=True, default=None)
+
+  def __init__(self, table: IdTable, embedding_size: Optional[int] = None,
+               weight: Any = None, dtype: Any = None, *, key: Any = None):
+    """Builds the layer.
+
+    Args:
+      table: the `lazy_optax.IdTable` whose slots index the rows.
+      embedding_size: the row size.
+      weight: an initial table `[table.capacity, embedding_size]` (instead
+        of the size and key).
+      dtype: the table's dtype.
+      key: a `jax.random` key for the initial table.
+    """
+    table = _check_id_table(table, 'lazy_optax.equinox.HashEmbedding')
+    super().__init__(None if weight is not None else table.capacity,
+                     None if weight is not None else embedding_size, weight,
+                     dtype, padding_id=table.capacity, key=key)
+    self.table = table
+
+
+class HashEmbeddingBag(EmbeddingBag):
+  """Bags of slots of a `lazy_optax.IdTable`, in Equinox (`lookup_bag`).
+
+  Slot `capacity` (an id without a row) is left out of its bag.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> import lazy_optax, lazy_optax.equinox
+    >>> table_ids = lazy_optax.IdTable(capacity=100, probe=8)
+    >>> bag = lazy_optax.equinox.HashEmbeddingBag(table_ids, 4, mode='sum',
+    ...                                           key=jax.random.key(0))
+    >>> slots, _, _ = table_ids.assign(table_ids.init(),
+    ...                                np.array([[3, 5], [9, 3]]), step=0)
+    >>> bag(slots).shape
+    (2, 4)
+  """
+
+  table: IdTable = eqx.field(static=True, default=None)
+
+  def __init__(self, table: IdTable, embedding_size: Optional[int] = None,
+               weight: Any = None, dtype: Any = None, *, mode: str = 'mean',
+               key: Any = None):
+    """Builds the layer.
+
+    Args:
+      table: the `lazy_optax.IdTable` whose slots index the rows.
+      embedding_size: the row size.
+      weight: an initial table (instead of the size and key).
+      dtype: the table's dtype.
+      mode: `'sum'`, `'mean'` (default) or `'max'`.
+      key: a `jax.random` key for the initial table.
+    """
+    table = _check_id_table(table, 'lazy_optax.equinox.HashEmbeddingBag')
+    super().__init__(None if weight is not None else table.capacity,
+                     None if weight is not None else embedding_size, weight,
+                     dtype, mode=mode, padding_id=table.capacity, key=key)
+    self.table = table
+
+
 __all__ = ('apply_updates', 'Embedding', 'EmbeddingBag',
-           'filter_value_and_grad')
+           'filter_value_and_grad',
+           # Hashed ids (issue 21).
+           'HashEmbedding', 'HashEmbeddingBag')

@@ -32,9 +32,12 @@ except ImportError as e:  # pragma: no cover - depends on the environment
       'lazy_optax.flax needs Flax: pip install flax (or '
       "pip install 'lazy_optax[examples]').") from e
 import jax
+import jax.numpy as jnp
 
 from lazy_optax._src import lookups
 from lazy_optax._src.grads import value_and_grad
+from lazy_optax._src.id_table import IdTable
+from lazy_optax._src.reset_rows import reset_rows
 
 
 def _linen_path(module: nn.Module) -> Optional[str]:
@@ -312,5 +315,236 @@ def nnx_value_and_grad(
   return wrapped
 
 
+# -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
+
+def _check_id_table(table: Any, where: str) -> IdTable:
+  if not isinstance(table, IdTable):
+    raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
+                    f'{type(table).__name__}.')
+  return table
+
+
+class _HashEmbedTable(nn.Module):
+  """The `[table.capacity, features]` parameter of the hashed-id layers."""
+
+  table: IdTable
+  features: int
+  dtype: Optional[Any] = None
+  param_dtype: Any = jnp.float32
+  embedding_init: Callable[..., Any] = nn.initializers.variance_scaling(
+      1.0, 'fan_in', 'normal', out_axis=0)
+
+  def setup(self):
+    _check_id_table(self.table, 'lazy_optax.flax.HashEmbed')
+    self.embedding = self.param('embedding', self.embedding_init,
+                                (self.table.capacity, self.features),
+                                self.param_dtype)
+
+
+class HashEmbed(_HashEmbedTable):
+  """Rows of a `lazy_optax.IdTable`'s slots, in Flax linen.
+
+  The parameter `embedding` is `[table.capacity, features]`; the layer takes
+  the slots that `table.assign` (training) or `table.find` (serving)
+  returned for raw ids, so each live id reads its own row. Slot `capacity`
+  (an id without a row) reads zeros and never produces a gradient row, also
+  outside jit. Under `lazy_optax.value_and_grad` the table's gradient is a
+  `SparseRows` of the slots. In the train step, before the model runs:
+  `slots, id_state, fresh = table.assign(...)`, then
+  `lazy_optax.reset_rows(tx, params, opt_state, {'<path>/embedding': fresh},
+  init=..., key=...)` (docs/hashed_ids.md).
+
+  Attributes:
+    table: the `lazy_optax.IdTable` whose slots index the rows.
+    features: the row size.
+    dtype: optional dtype of the returned rows.
+    param_dtype: the table's dtype.
+    embedding_init: the initial table (rows are reset by `reset_rows` when
+      an id gets them, so this matters only before).
+
+  Example:
+    >>> import jax, jax.numpy as jnp, numpy as np
+    >>> import lazy_optax, lazy_optax.flax
+    >>> table_ids = lazy_optax.IdTable(capacity=100, probe=8)
+    >>> model = lazy_optax.flax.HashEmbed(table_ids, features=4)
+    >>> slots, id_state, fresh = table_ids.assign(
+    ...     table_ids.init(), np.array([[2**40, 7]]), step=0)
+    >>> params = model.init(jax.random.key(0), slots)['params']
+    >>> loss_fn = lambda p: jnp.sum(model.apply({'params': p}, slots) ** 2)
+    >>> loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
+    >>> grads['embedding']
+    SparseRows(num_rows=100, ids=2, row_shape=(4,), dtype=float32)
+  """
+
+  def __call__(self, slots: Any) -> Any:
+    """Reads the rows of the slots.
+
+    Args:
+      slots: int32 slots of any shape, in `[0, table.capacity]`.
+
+    Returns:
+      An array of shape `slots.shape + (features,)`.
+    """
+    return lookups.lookup_rows(
+        self.embedding, slots, dtype=self.dtype,
+        padding_id=self.table.capacity, path=_linen_path(self),
+        caller='lazy_optax.flax.HashEmbed')
+
+
+class HashEmbedBag(_HashEmbedTable):
+  """Bags of slots of a `lazy_optax.IdTable`, pooled by `lookup_bag`.
+
+  As `HashEmbed` (same attributes and parameter), with `mode` (`'sum'`,
+  `'mean'`, `'max'`); slot `capacity` (an id without a row) is left out of
+  its bag.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> import lazy_optax, lazy_optax.flax
+    >>> table_ids = lazy_optax.IdTable(capacity=100, probe=8)
+    >>> model = lazy_optax.flax.HashEmbedBag(table_ids, 4, mode='sum')
+    >>> slots, _, _ = table_ids.assign(
+    ...     table_ids.init(), np.array([[2**40, 7], [9, 9]]), step=0)
+    >>> params = model.init(jax.random.key(0), slots)['params']
+    >>> model.apply({'params': params}, slots).shape
+    (2, 4)
+  """
+
+  mode: str = 'mean'
+
+  def __call__(self, slots: Any, mask: Any = None, lengths: Any = None,
+               per_sample_weights: Any = None) -> Any:
+    """Pools the rows of each bag of slots.
+
+    Args:
+      slots: int32 slots `[batch, max_len]`.
+      mask: optional boolean `[batch, max_len]`, True for real slots.
+      lengths: optional integer `[batch]`, the real slots' count per bag.
+      per_sample_weights: optional weights `[batch, max_len]`.
+
+    Returns:
+      An array `[batch, features]`.
+    """
+    return lookups.bag_rows(
+        self.embedding, slots, mask=mask, lengths=lengths, mode=self.mode,
+        per_sample_weights=per_sample_weights,
+        padding_id=self.table.capacity, dtype=self.dtype,
+        path=_linen_path(self), caller='lazy_optax.flax.HashEmbedBag')
+
+
+class NnxHashEmbed(NnxEmbed):
+  """Rows of a `lazy_optax.IdTable`'s slots, in Flax nnx.
+
+  An `NnxEmbed` of `table.capacity` rows (parameter `embedding`) that takes
+  the slots of `table.assign`/`table.find`; slot `capacity` reads zeros and
+  never produces a gradient row. Differentiate with `nnx_value_and_grad`.
+
+  Example:
+    >>> import numpy as np
+    >>> from flax import nnx
+    >>> import lazy_optax, lazy_optax.flax
+    >>> table_ids = lazy_optax.IdTable(capacity=100, probe=8)
+    >>> model = lazy_optax.flax.NnxHashEmbed(table_ids, 4, rngs=nnx.Rngs(0))
+    >>> slots = table_ids.find(table_ids.init(), np.array([2**40]))
+    >>> model(slots)                       # not assigned yet: a zero row
+    Array([[0., 0., 0., 0.]], dtype=float32)
+  """
+
+  def __init__(self, table: IdTable, features: int, **kwargs: Any):
+    """Builds the layer.
+
+    Args:
+      table: the `lazy_optax.IdTable` whose slots index the rows.
+      features: the row size.
+      **kwargs: `flax.nnx.Embed`'s other arguments (`rngs`, `dtype`,
+        `embedding_init`...).
+    """
+    table = _check_id_table(table, 'lazy_optax.flax.NnxHashEmbed')
+    super().__init__(table.capacity, features, padding_id=table.capacity,
+                     **kwargs)
+
+
+class NnxHashEmbedBag(NnxEmbedBag):
+  """Bags of slots of a `lazy_optax.IdTable`, in Flax nnx (`lookup_bag`).
+
+  Example:
+    >>> import numpy as np
+    >>> from flax import nnx
+    >>> import lazy_optax, lazy_optax.flax
+    >>> table_ids = lazy_optax.IdTable(capacity=100, probe=8)
+    >>> model = lazy_optax.flax.NnxHashEmbedBag(table_ids, 4,
+    ...                                         rngs=nnx.Rngs(0))
+    >>> slots, _, _ = table_ids.assign(table_ids.init(),
+    ...                                np.array([[3, 5], [9, 3]]), step=0)
+    >>> model(slots).shape
+    (2, 4)
+  """
+
+  def __init__(self, table: IdTable, features: int, *, mode: str = 'mean',
+               **kwargs: Any):
+    """Builds the layer.
+
+    Args:
+      table: the `lazy_optax.IdTable` whose slots index the rows.
+      features: the row size.
+      mode: `'sum'`, `'mean'` (default) or `'max'`.
+      **kwargs: `flax.nnx.Embed`'s other arguments (`rngs`, `dtype`, ...).
+    """
+    table = _check_id_table(table, 'lazy_optax.flax.NnxHashEmbedBag')
+    super().__init__(table.capacity, features, mode=mode,
+                     padding_id=table.capacity, **kwargs)
+
+def nnx_reset_rows(model: nnx.Module, optimizer: nnx.Optimizer,
+                   fresh: Any, *, init: Any, key: Any = None) -> None:
+  """`lazy_optax.reset_rows` for an nnx model and its `nnx.Optimizer`.
+
+  Resets, in place, the rows of the slots in `fresh` (`{'<path>':
+  FreshRows}`, paths as `nnx.state(model)` names them, e.g. `'embedding'`
+  or `'items/embedding'`) in the model's parameters and in every
+  optimizer-state leaf that mirrors them. Works eagerly and inside
+  `nnx.jit`.
+
+  Args:
+    model: the nnx model holding the tables.
+    optimizer: its `nnx.Optimizer`.
+    fresh: `{table path: FreshRows}` from `IdTable.assign`.
+    init: as for `lazy_optax.reset_rows`.
+    key: as for `lazy_optax.reset_rows`.
+
+  Example:
+    >>> import jax, numpy as np
+    >>> from flax import nnx
+    >>> import lazy_optax, lazy_optax.flax
+    >>> table_ids = lazy_optax.IdTable(capacity=16, probe=4)
+    >>> model = lazy_optax.flax.NnxHashEmbed(table_ids, 2, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(model, lazy_optax.lazy_adam(0.1),
+    ...                           wrt=nnx.Param)
+    >>> slots, id_state, fresh = table_ids.assign(table_ids.init(),
+    ...                                           np.array([7]), step=0)
+    >>> lazy_optax.flax.nnx_reset_rows(
+    ...     model, optimizer, {'embedding': fresh},
+    ...     init=jax.nn.initializers.zeros, key=jax.random.key(0))
+    >>> model(slots)
+    Array([[0., 0.]], dtype=float32)
+  """
+  def is_variable(x):
+    return isinstance(x, nnx.Variable)
+
+  def values(tree):
+    return jax.tree.map(lambda v: v.get_value() if is_variable(v) else v,
+                        tree, is_leaf=is_variable)
+
+  params = values(nnx.state(model, optimizer.wrt))
+  new_params, new_state = reset_rows(
+      optimizer.tx, params, values(optimizer.opt_state), fresh, init=init,
+      key=key)
+  nnx.update(model, new_params)
+  jax.tree.map(lambda v, x: v.set_value(x), optimizer.opt_state, new_state,
+               is_leaf=is_variable)
+
+
 __all__ = ('Embed', 'EmbedBag', 'NnxEmbed', 'NnxEmbedBag',
-           'nnx_value_and_grad')
+           'nnx_value_and_grad',
+           # Hashed ids (issue 21).
+           'HashEmbed', 'HashEmbedBag', 'NnxHashEmbed', 'NnxHashEmbedBag',
+           'nnx_reset_rows')

@@ -31,6 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from lazy_optax._src import lookups
+from lazy_optax._src.id_table import IdTable
 
 
 class Embed(hk.Embed):
@@ -154,4 +155,84 @@ class EmbedBag(Embed):
         path=self._path(), caller='lazy_optax.haiku.EmbedBag')
 
 
-__all__ = ('Embed', 'EmbedBag')
+# -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
+
+def _check_id_table(table: Any, where: str) -> IdTable:
+  if not isinstance(table, IdTable):
+    raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
+                    f'{type(table).__name__}.')
+  return table
+
+
+class HashEmbed(Embed):
+  """Rows of a `lazy_optax.IdTable`'s slots, in Haiku.
+
+  An `Embed` of `table.capacity` rows (parameter `embeddings`) that takes
+  the slots of `table.assign` (training) or `table.find` (serving); slot
+  `capacity` (an id without a row) reads zeros and never produces a gradient
+  row. Reset the rows of fresh slots with `lazy_optax.reset_rows` (table
+  path `'<module>/embeddings'`) before the step's forward pass.
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp, numpy as np
+    >>> import lazy_optax, lazy_optax.haiku
+    >>> table_ids = lazy_optax.IdTable(capacity=100, probe=8)
+    >>> f = hk.without_apply_rng(hk.transform(
+    ...     lambda s: lazy_optax.haiku.HashEmbed(table_ids, 4)(s)))
+    >>> slots, _, _ = table_ids.assign(table_ids.init(), np.array([2**40]),
+    ...                                step=0)
+    >>> params = f.init(jax.random.key(0), slots)
+    >>> loss, grads = lazy_optax.value_and_grad(
+    ...     lambda p: jnp.sum(f.apply(p, slots) ** 2))(params)
+    >>> grads['hash_embed']['embeddings']
+    SparseRows(num_rows=100, ids=1, row_shape=(4,), dtype=float32)
+  """
+
+  def __init__(self, table: IdTable, embed_dim: int, **kwargs: Any):
+    """Builds the layer.
+
+    Args:
+      table: the `lazy_optax.IdTable` whose slots index the rows.
+      embed_dim: the row size.
+      **kwargs: `hk.Embed`'s keyword arguments (`name`, `w_init`, ...).
+    """
+    table = _check_id_table(table, 'lazy_optax.haiku.HashEmbed')
+    super().__init__(table.capacity, embed_dim, padding_id=table.capacity,
+                     **kwargs)
+
+
+class HashEmbedBag(EmbedBag):
+  """Bags of slots of a `lazy_optax.IdTable`, in Haiku (`lookup_bag`).
+
+  Slot `capacity` (an id without a row) is left out of its bag.
+
+  Example:
+    >>> import haiku as hk, jax, numpy as np
+    >>> import lazy_optax, lazy_optax.haiku
+    >>> table_ids = lazy_optax.IdTable(capacity=100, probe=8)
+    >>> f = hk.without_apply_rng(hk.transform(
+    ...     lambda s: lazy_optax.haiku.HashEmbedBag(table_ids, 4)(s)))
+    >>> slots, _, _ = table_ids.assign(table_ids.init(),
+    ...                                np.array([[3, 5], [9, 3]]), step=0)
+    >>> f.apply(f.init(jax.random.key(0), slots), slots).shape
+    (2, 4)
+  """
+
+  def __init__(self, table: IdTable, embed_dim: int, *, mode: str = 'mean',
+               **kwargs: Any):
+    """Builds the layer.
+
+    Args:
+      table: the `lazy_optax.IdTable` whose slots index the rows.
+      embed_dim: the row size.
+      mode: `'sum'`, `'mean'` (default) or `'max'`.
+      **kwargs: `hk.Embed`'s keyword arguments (`name`, `w_init`, ...).
+    """
+    table = _check_id_table(table, 'lazy_optax.haiku.HashEmbedBag')
+    super().__init__(table.capacity, embed_dim, mode=mode,
+                     padding_id=table.capacity, **kwargs)
+
+
+__all__ = ('Embed', 'EmbedBag',
+           # Hashed ids (issue 21).
+           'HashEmbed', 'HashEmbedBag')

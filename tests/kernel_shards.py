@@ -96,6 +96,46 @@ def mesh_check():
     print('OK', name)
 
 
+def lookup_check():
+  """A whole step (lookup, value_and_grad, lazy_adam) on an Explicit mesh:
+  the lookup's rows split like the ids, equal to one device."""
+  mesh = jax.make_mesh((2, 4), ('data', 'rows'))
+  rng = np.random.default_rng(1)
+  table = rng.normal(size=(64, 8)).astype(np.float32)
+  ids = rng.integers(0, 64, 16).astype(np.int32)
+  w = np.ones((8,), np.float32)
+
+  def loss(p, ids):
+    return jnp.sum((lazy_optax.lookup(p['t'], ids) @ p['w'] - 1.0) ** 2)
+
+  def train(params, ids, sharded):
+    tx = lazy_optax.lazy_adam(0.05)
+    state = (lazy_optax.sharding.init_sharded(tx, params) if sharded
+             else tx.init(params))
+
+    @jax.jit
+    def step(p, s, ids):
+      _, g = lazy_optax.value_and_grad(loss)(p, ids)
+      u, s = tx.update(g, s, p)
+      return lazy_optax.apply_updates(p, u), s
+
+    for _ in range(3):
+      params, state = step(params, state, ids)
+    return params
+
+  one = train({'t': jnp.asarray(table), 'w': jnp.asarray(w)},
+              jnp.asarray(ids), False)
+  with jax.sharding.set_mesh(mesh):
+    params = {'t': jax.device_put(table, NamedSharding(mesh, P('rows'))),
+              'w': jax.device_put(w, NamedSharding(mesh, P()))}
+    got = train(params, jax.device_put(ids, NamedSharding(mesh, P('data'))),
+                True)
+    assert got['t'].sharding.spec[0] == 'rows', got['t'].sharding
+  np.testing.assert_allclose(np.asarray(got['t']), np.asarray(one['t']),
+                             rtol=2e-6, atol=1e-7)
+  print('OK lookup on an Explicit mesh')
+
+
 def process_check():
   guide = pathlib.Path(__file__).resolve().parent.parent / 'docs' / (
       'scaling.md')
@@ -129,6 +169,7 @@ def process_check():
 if __name__ == '__main__':
   if sys.argv[1] == 'mesh':
     mesh_check()
+    lookup_check()
   else:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(f'127.0.0.1:{sys.argv[3]}', num_processes=2,

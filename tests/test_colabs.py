@@ -10,9 +10,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / 'colabs').glob('*.ipynb'))
 
 
-def test_there_are_four_notebooks():
+def test_there_are_five_notebooks():
   names = [p.name for p in NOTEBOOKS]
-  assert len(names) == 4, names
+  assert len(names) == 5, names
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)

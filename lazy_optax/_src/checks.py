@@ -76,6 +76,27 @@ def check_ids_in_range(tree: Any) -> None:
         id=ids[first], position=first, count=jnp.sum(bad))
 
 
+def check_id_table_room(no_room: Any, live: Any, capacity: int) -> None:
+  """Records a `checkify` check that every looked-up id got a row.
+
+  Used by `IdTable(checked=True).assign`: lookups left without a row for
+  lack of room (a full probe window, a full table) are reported under
+  `checked`, naming how many and how full the table is.
+
+  Args:
+    no_room: int32 scalar, the lookups of this call that found no room.
+    live: int32 scalar, the live ids after the call.
+    capacity: the table's slot count.
+  """
+  checkify.check(
+      no_room == 0,
+      'IdTable: {no_room} looked-up ids got no row (slot capacity) for lack '
+      f'of room: {{live}} of {capacity} slots hold live ids. The table or '
+      'its probe windows are full: give it more capacity, a larger probe, an '
+      "eviction policy other than 'none', or a ttl.",
+      no_room=no_room, live=live)
+
+
 def _braces(text: str) -> str:
   return text.replace('{', '{{').replace('}', '}}')
 

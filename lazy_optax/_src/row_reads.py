@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.sparse_rows import index_dtype
 
 _LOCAL = threading.local()
@@ -26,6 +27,17 @@ _LOCAL = threading.local()
 def in_range(ids: jax.Array, num_rows: int) -> jax.Array:
   """Which ids name a row of a table of `num_rows` rows."""
   return (ids >= 0) & (ids < num_rows)
+
+
+def _rows_like_ids(table: Any, ids: Any) -> dict[str, Any]:
+  """Under Explicit mesh axes, rows split like their ids (the batch)."""
+  mesh = _sharding.explicit_mesh(table) or _sharding.explicit_mesh(ids)
+  if mesh is None:
+    return {}
+  spec = tuple(jax.typeof(ids).sharding.spec)
+  spec += (None,) * (jnp.ndim(ids) - len(spec) + jnp.ndim(table) - 1)
+  return {'out_sharding': jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec(*spec))}
 
 
 def read_rows(table: Any, ids: jax.Array, dtype: Any = None) -> jax.Array:
@@ -53,7 +65,8 @@ def read_rows(table: Any, ids: jax.Array, dtype: Any = None) -> jax.Array:
   num_rows = jnp.shape(table)[0]
   ids = ids.astype(index_dtype(num_rows))
   safe = jnp.where(in_range(ids, num_rows), ids, num_rows)
-  rows = jnp.take(table, safe, axis=0, mode='fill', fill_value=0)
+  rows = jnp.asarray(table).at[safe].get(mode='fill', fill_value=0,
+                                        **_rows_like_ids(table, safe))
   return rows if dtype is None else rows.astype(dtype)
 
 

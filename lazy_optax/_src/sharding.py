@@ -19,7 +19,7 @@ import optax
 from lazy_optax._src import cpu_kernels
 
 
-def _explicit_mesh(x: Any) -> Any:
+def explicit_mesh(x: Any) -> Any:
   """The abstract mesh of `x`'s type when it has Explicit axes, else None."""
   typeof = getattr(jax, 'typeof', None)  # JAX versions before Explicit axes
   if typeof is None:
@@ -58,7 +58,7 @@ def replicate_if_explicit(x: jax.Array) -> jax.Array:
   Auto axes (or no mesh) `x` is returned as it is and XLA's partitioner
   decides.
   """
-  mesh = _explicit_mesh(x)
+  mesh = explicit_mesh(x)
   if mesh is None:
     return x
   return jax.sharding.reshard(
@@ -67,7 +67,7 @@ def replicate_if_explicit(x: jax.Array) -> jax.Array:
 
 def gather_kwargs(table: jax.Array) -> dict[str, Any]:
   """Keyword arguments for `table.at[ids].get`: replicated rows if Explicit."""
-  mesh = _explicit_mesh(table)
+  mesh = explicit_mesh(table)
   if mesh is None:
     return {}
   return {'out_sharding': jax.sharding.NamedSharding(
@@ -76,7 +76,7 @@ def gather_kwargs(table: jax.Array) -> dict[str, Any]:
 
 def scatter_kwargs(table: jax.Array) -> dict[str, Any]:
   """Keyword arguments for `table.at[ids].set/add`: keep `table`'s sharding."""
-  if _explicit_mesh(table) is None:
+  if explicit_mesh(table) is None:
     return {}
   return {'out_sharding': jax.typeof(table).sharding}
 

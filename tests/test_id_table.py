@@ -1,0 +1,371 @@
+"""IdTable: the policy against a plain-Python model, and its invariants.
+
+Hypothesis draws id streams (64-bit ids, duplicates, repeated and skipped
+steps); every call of `assign` is compared with `id_table_reference`'s model
+(slots, fresh slots, counters, live ids, `find`, `export_changes`), and the
+invariants of the issue are checked on every state. One compiled `assign`
+per table configuration keeps the run short.
+
+Profiles: `LAZY_OPTAX_HYPOTHESIS_PROFILE=ci` (default: few derandomized
+examples) or `dev` (many random ones).
+"""
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+
+from hypothesis import given
+from hypothesis import HealthCheck
+from hypothesis import settings
+from hypothesis import strategies as st
+from id_table_reference import IdTableModel
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lazy_optax
+from lazy_optax._src import id_words
+
+_HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
+settings.register_profile(
+    'id_table_ci', max_examples=5, derandomize=True, deadline=None,
+    database=None, suppress_health_check=_HEALTH, print_blob=True)
+settings.register_profile(
+    'id_table_dev', max_examples=200, deadline=None,
+    suppress_health_check=_HEALTH, print_blob=True)
+PROFILE = os.environ.get('LAZY_OPTAX_HYPOTHESIS_PROFILE', 'ci')
+SETTINGS = settings.get_profile(f'id_table_{PROFILE}')
+
+# name -> (IdTable arguments, ids per call)
+CONFIGS = {
+    'lru': (dict(capacity=24, probe=4), 12),
+    'lfu': (dict(capacity=24, probe=4, eviction='lfu', lfu_period=3), 12),
+    'none': (dict(capacity=20, probe=3, eviction='none'), 12),
+    'ttl': (dict(capacity=24, probe=5, ttl=3), 12),
+    'admit': (dict(capacity=24, probe=4, admit_after=2, sketch_width=16), 12),
+    # One window for all ids: claims collide, more than `few` ids are left
+    # after the first round, so the later rounds take every row.
+    'crowded': (dict(capacity=16, probe=16, rounds=3), 64),
+    'mixed': (dict(capacity=30, probe=3, eviction='lfu', ttl=2,
+                   admit_after=3, lfu_period=2, rounds=2), 12),
+}
+LOG = 4096
+# One small table and batch shape for the eager tests: one compiled assign.
+T8 = lazy_optax.IdTable(capacity=8, probe=4, eviction_log=3)
+
+
+@functools.cache
+def _compiled(name):
+  cfg, _ = CONFIGS[name]
+  table = lazy_optax.IdTable(eviction_log=LOG, **cfg)
+  assign = jax.jit(lambda s, w, step: table.assign(s, w, step=step))
+  find = jax.jit(table.find)
+  return table, assign, find
+
+
+def _streams(n):
+  pool = st.lists(st.integers(0, 2 ** 63 - 1), min_size=4, max_size=70,
+                  unique=True)
+  steps = st.lists(
+      st.tuples(st.integers(0, 3),
+                st.lists(st.integers(0, 10 ** 6), min_size=n, max_size=n)),
+      min_size=5, max_size=20)
+  return st.tuples(pool, steps, st.integers(0, 2 ** 31))
+
+
+def _fresh_map(table, fresh):
+  slots = np.asarray(fresh.slots)
+  words = np.asarray(fresh.ids)
+  keep = slots < table.capacity
+  out = dict(zip(slots[keep].tolist(),
+                 id_words.join_words(words[keep]).tolist()))
+  assert len(out) == int(keep.sum()), 'a fresh slot listed twice'
+  return out
+
+
+def _live(table, state):
+  """Live (slot, id) pairs from a scan of the state."""
+  ids = np.asarray(state.ids)
+  seen = np.asarray(state.last_seen)
+  step = int(state.step)
+  alive = ids[:, 0] != id_words.EMPTY_WORD
+  if table.ttl is not None:
+    alive &= seen >= step - table.ttl
+  slots = np.flatnonzero(alive)
+  return slots, id_words.join_words(ids[slots])
+
+
+def _check_invariants(table, state):
+  slots, ids = _live(table, state)
+  assert len(set(ids.tolist())) == len(ids), 'two slots hold one live id'
+  assert len(ids) <= table.capacity
+  assert int(state.live) == len(ids)
+  assert not np.asarray(state.claims).any(), 'claim scratch not cleared'
+  return dict(zip(ids.tolist(), slots.tolist()))
+
+
+@pytest.mark.parametrize('name', sorted(CONFIGS))
+@SETTINGS
+@given(data=st.data())
+def test_assign_follows_the_model(name, data):
+  cfg, n = CONFIGS[name]
+  pool, steps, seed = data.draw(_streams(n))
+  table, assign, find = _compiled(name)
+  model = IdTableModel(**cfg)
+  rng = np.random.default_rng(seed)
+  state, step = table.init(), 0
+  for gap, picks in steps:
+    step += gap
+    ids = np.array([pool[p % len(pool)] for p in picks], np.int64)
+    slots, state, fresh = assign(state, lazy_optax.split_ids(ids), step)
+    want, want_fresh = model.assign(ids, step)
+    np.testing.assert_array_equal(np.asarray(slots), want)
+    assert _fresh_map(table, fresh) == want_fresh
+    stats = table.stats(state)
+    assert {k: stats[k] for k in model.counters} == model.counters
+    assert stats['live'] == model.live()
+    live = _check_invariants(table, state)
+    # Every id that got a slot holds it now; the rest are absent.
+    for x, s in zip(ids.tolist(), np.asarray(slots).tolist()):
+      assert (live.get(x) == s) if s < table.capacity else (x not in live)
+    probe_ids = np.concatenate([ids[:3], rng.integers(0, 2 ** 62, 3)])
+    np.testing.assert_array_equal(
+        np.asarray(find(state, lazy_optax.split_ids(probe_ids))),
+        [model.find(int(x)) for x in probe_ids])
+    since = int(rng.integers(0, step + 2))
+    changed_ids, changed_slots, evicted = lazy_optax.export_changes(
+        state, since_step=since)
+    want_changed, want_evicted = model.export(since)
+    assert dict(zip(changed_slots.tolist(), changed_ids.tolist())) == (
+        want_changed)
+    assert evicted.tolist() == want_evicted
+
+
+@SETTINGS
+@given(data=st.data())
+def test_batch_order_and_duplicates_do_not_change_the_mapping(data):
+  cfg, n = CONFIGS['crowded']
+  _, assign, _ = _compiled('crowded')
+  pool, steps, seed = data.draw(_streams(n))
+  rng = np.random.default_rng(seed)
+  a = b = lazy_optax.IdTable(eviction_log=LOG, **cfg).init()
+  for k, (_, picks) in enumerate(steps):
+    ids = np.array([pool[p % len(pool)] for p in picks], np.int64)
+    ids[-1] = ids[0]                       # a duplicate, at least
+    perm = rng.permutation(ids)
+    slots_a, a, _ = assign(a, lazy_optax.split_ids(ids), k)
+    slots_b, b, _ = assign(b, lazy_optax.split_ids(perm), k)
+    map_a = dict(zip(ids.tolist(), np.asarray(slots_a).tolist()))
+    map_b = dict(zip(perm.tolist(), np.asarray(slots_b).tolist()))
+    assert {x: map_a[x] for x in map_b} == map_b
+    # The same table afterwards (the eviction log's order may differ).
+    for field in ('ids', 'last_seen', 'step', 'live'):
+      np.testing.assert_array_equal(np.asarray(getattr(a, field)),
+                                    np.asarray(getattr(b, field)))
+
+
+@SETTINGS
+@given(data=st.data())
+def test_an_id_seen_every_step_keeps_its_slot(data):
+  cfg, n = CONFIGS['lru']
+  table, assign, _ = _compiled('lru')
+  pool, steps, _ = data.draw(_streams(n))
+  hot = 0          # the smallest id wins every claim: a slot at step 0
+  state, slot = table.init(), None
+  for k, (gap, picks) in enumerate(steps):
+    ids = np.array([hot] + [pool[p % len(pool)] for p in picks[1:]],
+                   np.int64)
+    slots, state, _ = assign(state, lazy_optax.split_ids(ids), k * 2 + gap)
+    first = int(np.asarray(slots)[0])
+    assert first < cfg['capacity']
+    assert slot is None or first == slot
+    slot = first
+
+
+def test_find_never_inserts_or_moves_anything():
+  table, assign, find = _compiled('ttl')
+  ids = np.array([5, 6, 7, 8] * 3, np.int64)
+  _, state, _ = assign(table.init(), lazy_optax.split_ids(ids), 0)
+  before = jax.tree.map(np.asarray, state)
+  slots = find(state, lazy_optax.split_ids(np.array([5, 9, 2 ** 60])))
+  assert int(slots[1]) == int(slots[2]) == table.capacity
+  after = jax.tree.map(np.asarray, state)
+  jax.tree.map(np.testing.assert_array_equal, before, after)
+  # find is read-only even under ttl: an id past its ttl reads as absent.
+  _, state, _ = assign(state, lazy_optax.split_ids(np.array([9] * 12)), 4)
+  assert int(find(state, lazy_optax.split_ids(np.array([5])))[0]) == (
+      table.capacity)
+
+
+def test_concrete_int32_and_int64_ids_give_the_same_slots():
+  table = T8
+  ids = np.array([3, 70000, 3, 12], np.int64)
+  a = table.assign(table.init(), ids, step=0)[0]
+  b = table.assign(table.init(), ids.astype(np.int32), step=0)[0]
+  c = table.assign(table.init(), jnp.asarray(ids, jnp.int32), step=0)[0]
+  d = table.assign(table.init(), lazy_optax.split_ids(ids), step=0)[0]
+  for x in (b, c, d):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(x))
+
+
+def test_slots_keep_the_ids_shape_and_default_step_advances():
+  table = T8
+  ids = np.arange(4, dtype=np.int64).reshape(2, 2) * 10 ** 15
+  slots, state, fresh = table.assign(table.init(), ids)
+  assert slots.shape == (2, 2) and int(state.step) == 0
+  assert fresh.slots.shape == (4,) and fresh.ids.shape == (4, 2)
+  _, state, _ = table.assign(state, ids)
+  assert int(state.step) == 1
+
+
+def test_eviction_log_overflow_is_refused_not_guessed():
+  table = T8                                       # a ring of 3 evictions
+  state = table.init()
+  for k in range(4):
+    _, state, _ = table.assign(state, np.arange(4 * k, 4 * k + 4), step=k)
+  assert table.stats(state)['evictions'] > 3
+  with pytest.raises(ValueError, match='eviction_log'):
+    lazy_optax.export_changes(state, since_step=1)
+  # A window with no evictions yet is exact.
+  changed, _, evicted = lazy_optax.export_changes(state, since_step=4)
+  assert changed.tolist() == evicted.tolist() == []
+
+
+def test_counters_do_not_wrap_around():
+  table = T8
+  state = table.init()
+  near = np.array([0, 2 ** 32 - 3], np.uint32)
+  state = state._replace(counters=state.counters._replace(admissions=near))
+  _, state, _ = table.assign(state, np.arange(4), step=0)
+  assert table.stats(state)['admissions'] == 2 ** 32 + 1
+
+
+def test_checked_mode_reports_a_full_table():
+  table = lazy_optax.IdTable(capacity=4, probe=4, eviction='none',
+                             checked=True)
+  step = jax.jit(lambda s, ids, k: table.assign(s, ids, step=k))
+  slots, state, _ = lazy_optax.checks.checked(step)(table.init(),
+                                             jnp.arange(4), 0)
+  with pytest.raises(lazy_optax.checks.CheckError, match='4 looked-up ids got no'
+                     ' row') as e:
+    lazy_optax.checks.checked(step)(state, jnp.arange(2, 8), 1)
+  slots, state, _ = e.value.outputs
+  # The full table was not corrupted: the old ids keep their slots.
+  np.testing.assert_array_equal(np.asarray(slots)[:2],
+                                np.asarray(table.find(state, np.arange(2, 4))))
+  assert (np.asarray(slots)[2:] == 4).all() and int(state.live) == 4
+
+
+def test_traced_invalid_ids_get_no_row_and_change_nothing():
+  table = lazy_optax.IdTable(capacity=8, probe=4)
+  assign = jax.jit(lambda s, ids: table.assign(s, ids, step=0))
+  slots, state, fresh = assign(table.init(), jnp.array([-3, 5, -1]))
+  assert np.asarray(slots).tolist()[0::2] == [8, 8]
+  assert int(state.live) == 1
+  assert int((np.asarray(fresh.slots) < 8).sum()) == 1
+  words = jnp.array([[2 ** 31, 0], [0, 7]], jnp.uint32)
+  slots = jax.jit(lambda s, w: table.assign(s, w, step=1)[0])(state, words)
+  assert int(slots[0]) == 8 and int(slots[1]) < 8
+
+
+def test_split_ids_round_trips_64_bit_ids():
+  ids = np.array([0, 1, 2 ** 31, 2 ** 32 + 5, 2 ** 63 - 1], np.int64)
+  words = lazy_optax.split_ids(ids)
+  assert words.dtype == np.uint32 and words.shape == (5, 2)
+  np.testing.assert_array_equal(id_words.join_words(words), ids)
+  np.testing.assert_array_equal(lazy_optax.split_ids([5, 2 ** 40]),
+                                lazy_optax.split_ids(np.array([5, 2 ** 40])))
+  from_jax = lazy_optax.split_ids(jnp.array([7, 9], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(from_jax), [[0, 7], [0, 9]])
+  traced = jax.jit(lazy_optax.split_ids)(jnp.array([-1, 3], jnp.int32))
+  assert int(traced[0, 0]) == id_words.EMPTY_WORD   # invalid: no slot
+
+
+@pytest.mark.parametrize('bad, error, match', [
+    (np.array([3, -2], np.int64), ValueError, 'got -2 at flat position 1'),
+    ([1, -1], ValueError, 'raw ids must lie in'),
+    (np.array([1.0, 2.0]), TypeError, 'integer dtype, got float64'),
+    (jnp.array([1.5]), TypeError, 'integer dtype'),
+    (np.array([True]), TypeError, 'integer dtype, got bool'),
+    (np.array([2 ** 63], np.uint64), ValueError, r'\[0, 2\*\*63 - 1\]'),
+    (np.array([1, 2, 3], np.uint32), ValueError, 'last dimension of 2'),
+    (np.array([[2 ** 31, 1]], np.uint32), ValueError, 'high word'),
+    ([2 ** 70], ValueError, 'outside 64 bits'),
+])
+def test_bad_raw_ids_are_refused_with_a_clear_error(bad, error, match):
+  table = lazy_optax.IdTable(capacity=8, probe=4)
+  with pytest.raises(error, match=match):
+    table.assign(table.init(), bad, step=0)
+  with pytest.raises(error, match=match):
+    table.find(table.init(), bad)
+
+
+@pytest.mark.parametrize('kwargs, error, match', [
+    (dict(capacity=0), ValueError, r'capacity must lie in \[1, 2147483646\]'),
+    (dict(capacity=2 ** 31), ValueError, 'capacity must lie in'),
+    (dict(capacity=10.0), TypeError, 'capacity must be a Python int'),
+    (dict(capacity=8, probe=9), ValueError,
+     r'probe \(with capacity=8\) must lie in \[1, 8\]'),
+    (dict(capacity=8, probe=0), ValueError, 'probe'),
+    (dict(capacity=8, eviction='fifo'), ValueError, 'eviction must be one'),
+    (dict(capacity=8, ttl=-1), ValueError, 'ttl must lie in'),
+    (dict(capacity=8, admit_after=0), ValueError, 'admit_after'),
+    (dict(capacity=8, checked=1), TypeError, 'checked must be a bool'),
+])
+def test_bad_table_arguments(kwargs, error, match):
+  kwargs.setdefault('probe', 4)
+  with pytest.raises(error, match=match):
+    lazy_optax.IdTable(**kwargs)
+
+
+def test_bad_steps_and_states():
+  table = T8
+  _, state, _ = table.assign(table.init(), np.arange(4), step=5)
+  with pytest.raises(ValueError, match='step 4 is before the state'):
+    table.assign(state, np.arange(4), step=4)
+  with pytest.raises(ValueError, match='step must lie in'):
+    table.assign(table.init(), np.array([1]), step=-1)
+  with pytest.raises(TypeError, match='step must be an integer'):
+    table.assign(table.init(), np.array([1]), step=1.5)
+  other = lazy_optax.IdTable(capacity=16, probe=4, eviction_log=3).init()
+  with pytest.raises(ValueError, match='state.ids has uint32'):
+    table.assign(other, np.array([1]), step=0)
+  with pytest.raises(TypeError, match='IdTableState'):
+    table.find({'ids': 1}, np.array([1]))
+  with pytest.raises(TypeError, match='IdTableState'):
+    lazy_optax.export_changes({'ids': 1}, since_step=0)
+
+
+def test_sharded_over_8_devices_equals_one_device():
+  # Auto axes: the whole hashed train step; Explicit axes: assign,
+  # reset_rows and the lazy update. Same slots, counters and id state as on
+  # one device, parameters to float32 rounding, shardings kept.
+  script = os.path.join(os.path.dirname(__file__), 'id_table_sharded_checks.py')
+  env = dict(os.environ)
+  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
+  env.pop('JAX_ENABLE_X64', None)
+  proc = subprocess.run([sys.executable, script], env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  for run in out.values():
+    assert run['stats']['evictions'] > 0 and run['stats']['expirations'] > 0
+
+
+def test_every_python_block_of_the_guide_runs_in_order():
+  guide = os.path.join(os.path.dirname(__file__), '..', 'docs',
+                       'hashed_ids.md')
+  with open(guide) as f:
+    blocks = re.findall(r'```python\n(.*?)```', f.read(), re.S)
+  assert len(blocks) == 2
+  namespace = {}
+  for i, code in enumerate(blocks):
+    exec(compile(code, f'hashed_ids.md[block {i}]', 'exec'), namespace)
+  stats = namespace['table_ids'].stats(namespace['id_state'])
+  assert stats['admissions'] == 20 * 64 > stats['live']
+  assert stats['live'] + stats['evictions'] == stats['admissions']
+  assert 0 < len(namespace['changed_ids']) <= 10 * 64

@@ -1,0 +1,299 @@
+"""Training on hashed ids: the whole step against float64 models.
+
+* 1,000 steps of a Zipf stream with more distinct ids than slots: `assign`
+  + `reset_rows` + `lookup` + `value_and_grad` + `lazy_adam`, jitted and
+  donated, equals the policy model (`id_table_reference`) and TensorFlow's
+  LazyAdam rule in float64 (`reference.TFLazyAdam`).
+* `reset_rows` gives every optimizer-state leaf that mirrors a table what
+  `tx.init` gives a fresh row (FTRL, row-wise Adagrad, adam_with_counter's per-row
+  counts, chains, partitions, injected hyperparameters), keys rows by raw
+  id, and leaves every other row bit for bit alone.
+* orbax: a run saved and restored midway (id state, params, optimizer
+  state) continues bit for bit.
+"""
+
+import os
+
+from id_table_reference import IdTableModel
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from reference import TFLazyAdam
+
+import lazy_optax
+from lazy_optax._src import id_words
+from lazy_optax._src import reset_rows as reset_module
+
+CAP, PROBE, D, N = 48, 6, 4, 16
+LR = 0.05
+W = np.array([0.5, -1.0, 0.25, 2.0])
+INIT = jax.nn.initializers.uniform(0.2)
+KEY = jax.random.key(7)
+
+
+def _stream(steps, universe=300, seed=0):
+  rng = np.random.default_rng(seed)
+  pool = rng.integers(0, 2 ** 63 - 1, universe, dtype=np.int64)
+  ranks = np.minimum(rng.zipf(1.3, (steps, N)), universe) - 1
+  ids = pool[ranks]
+  # Planted per-id targets.
+  targets = np.sin(ids % 1000).astype(np.float32)
+  return ids, targets
+
+
+def _make_step(table_ids, tx):
+  def step(params, opt_state, id_state, words, targets, k):
+    slots, id_state, fresh = table_ids.assign(id_state, words, step=k)
+    params, opt_state = lazy_optax.reset_rows(
+        tx, params, opt_state, {'emb': fresh}, init=INIT, key=KEY)
+
+    def loss_fn(params):
+      rows = lazy_optax.lookup(params['emb'], slots)
+      return jnp.mean((rows @ jnp.asarray(W, jnp.float32) - targets) ** 2)
+
+    loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (lazy_optax.apply_updates(params, updates), opt_state, id_state,
+            slots, loss)
+  return jax.jit(step, donate_argnums=(0, 1, 2))
+
+
+def test_1000_steps_equal_the_float64_model_of_policy_and_rule():
+  steps = 1000
+  ids, targets = _stream(steps)
+  assert len(np.unique(ids)) > 3 * CAP
+  table_ids = lazy_optax.IdTable(capacity=CAP, probe=PROBE, eviction_log=0)
+  tx = lazy_optax.lazy_adam(LR)
+  step = _make_step(table_ids, tx)
+  params = {'emb': jnp.zeros((CAP, D), jnp.float32)}
+  opt_state = tx.init(params)
+  id_state = table_ids.init()
+
+  # Each id's initial row, computed once per distinct id from its raw id.
+  distinct = np.unique(ids)
+  rows0 = np.asarray(reset_module.fresh_rows(
+      INIT, KEY, jnp.asarray(lazy_optax.split_ids(distinct)), (D,),
+      jnp.float32, 'emb'), np.float64)
+  start = dict(zip(distinct.tolist(), rows0))
+
+  model = IdTableModel(capacity=CAP, probe=PROBE)
+  adam = TFLazyAdam(np.zeros((CAP, D)), lr=LR)
+  words = lazy_optax.split_ids(ids)
+  admitted_twice = 0
+  for k in range(steps):
+    params, opt_state, id_state, slots, _ = step(
+        params, opt_state, id_state, words[k], targets[k], k)
+    want, fresh = model.assign(ids[k], k)
+    np.testing.assert_array_equal(np.asarray(slots), want)
+    for s, x in fresh.items():                       # reset_rows
+      adam.p[s], adam.m[s], adam.v[s] = start[x], 0.0, 0.0
+    admitted_twice += sum(1 for x in fresh.values()
+                          if sum(x == y for y, _ in model.evicted_at))
+    rows = np.where((want < CAP)[:, None], adam.p[np.minimum(want, CAP - 1)],
+                    0.0)
+    err = rows @ W - targets[k]
+    grads = 2.0 / N * err[:, None] * W[None, :]
+    adam.step(np.where(want < CAP, want, -1), grads)
+    if k % 250 == 249 or k == steps - 1:
+      np.testing.assert_allclose(np.asarray(params['emb']), adam.p,
+                                 rtol=2e-4, atol=2e-5)
+      mu = optax.tree.get(opt_state, 'mu')['emb']
+      np.testing.assert_allclose(np.asarray(mu), adam.m, rtol=2e-4, atol=2e-6)
+  # Evicted ids came back many times, each from its own initial row.
+  assert admitted_twice > 100
+  assert lazy_optax.IdTable.stats(table_ids, id_state)['evictions'] > 500
+
+
+def test_a_returning_evicted_id_starts_fresh():
+  table_ids = lazy_optax.IdTable(capacity=4, probe=4)
+  tx = lazy_optax.lazy_adam(0.1)
+  step = _make_step(table_ids, tx)
+  params = {'emb': jnp.zeros((4, D), jnp.float32)}
+  opt_state, id_state = tx.init(params), table_ids.init()
+  x = 2 ** 62 + 99
+  batch = np.full(N, x, np.int64)
+  params, opt_state, id_state, slots, _ = step(
+      params, opt_state, id_state, lazy_optax.split_ids(batch),
+      np.ones(N, np.float32), 0)
+  first = int(slots[0])
+  row0 = reset_module.fresh_rows(INIT, KEY, jnp.asarray(
+      lazy_optax.split_ids(np.array([x]))), (D,), jnp.float32, 'emb')[0]
+  assert not np.allclose(params['emb'][first], row0)       # it trained
+  # Four other ids take every slot; x is evicted.
+  others = np.repeat(np.arange(1, 5, dtype=np.int64), N // 4)
+  params, opt_state, id_state, _, _ = step(
+      params, opt_state, id_state, lazy_optax.split_ids(others),
+      np.ones(N, np.float32), 1)
+  assert int(table_ids.find(id_state, np.array([x]))[0]) == 4
+  # x returns: its row is its initial row again, its moments start at zero.
+  slots, id_state, fresh = table_ids.assign(id_state, batch, step=2)
+  params, opt_state = lazy_optax.reset_rows(
+      tx, params, opt_state, {'emb': fresh}, init=INIT, key=KEY)
+  s = int(slots[0])
+  np.testing.assert_array_equal(params['emb'][s], row0)
+  assert not np.asarray(optax.tree.get(opt_state, 'mu')['emb'][s]).any()
+  assert not np.asarray(optax.tree.get(opt_state, 'nu')['emb'][s]).any()
+
+
+def _fresh(slots, ids, capacity):
+  return lazy_optax.FreshRows(jnp.asarray(slots, jnp.int32),
+                              jnp.asarray(lazy_optax.split_ids(ids)))
+
+
+@pytest.mark.parametrize('name', ['ftrl', 'rowwise_adagrad', 'adam_with_counter',
+                                  'chain_partition_inject', 'lazy_adamw'])
+def test_reset_rows_gives_what_init_gives_a_fresh_row(name):
+  params = {'emb': jnp.arange(40.0).reshape(10, 4), 'w': jnp.ones(3)}
+  txs = {
+      'ftrl': lambda: lazy_optax.ftrl(0.1, initial_accumulator_value=0.1),
+      'rowwise_adagrad': lambda: lazy_optax.rowwise_adagrad(
+          0.1, initial_accumulator_value=0.3),
+      'adam_with_counter': lambda: lazy_optax.adam_with_counter(0.1),
+      'chain_partition_inject': lambda: optax.partition(
+          {'emb': lazy_optax.lazy(optax.chain(
+              optax.clip_by_global_norm(1.0),
+              optax.inject_hyperparams(optax.adagrad)(
+                  learning_rate=0.1, initial_accumulator_value=0.7))),
+           'w': optax.adam(0.1)}, lazy_optax.tree.path_labels(lambda name: name)),
+      'lazy_adamw': lambda: lazy_optax.lazy(optax.adamw(0.1, nesterov=True)),
+  }
+  tx = txs[name]()
+  init_state = tx.init(params)
+  # Train a few steps so that every state row has moved.
+  state, p = init_state, params
+  for k in range(3):
+    g = {'emb': lazy_optax.SparseRows(jnp.arange(10) % 10,
+                                      jnp.full((10, 4), 1.0 + k), 10),
+         'w': jnp.ones(3)}
+    updates, state = tx.update(g, state, p)
+    p = lazy_optax.apply_updates(p, updates)
+  before = jax.tree.map(np.asarray, (p, state))
+  fresh = _fresh([3, 10, 7, 10], np.array([11, 0, 2 ** 50, 5]), 10)
+  new_p, new_state = lazy_optax.reset_rows(
+      tx, p, state, {'emb': fresh}, init=INIT, key=KEY)
+  reset = np.array([3, 7])
+  kept = np.setdiff1d(np.arange(10), reset)
+  row_init = reset_module.fresh_rows(
+      INIT, KEY, fresh.ids, (4,), jnp.float32, 'emb')
+  np.testing.assert_array_equal(new_p['emb'][reset], row_init[np.array([0, 2])])
+  np.testing.assert_array_equal(new_p['emb'][kept], before[0]['emb'][kept])
+  np.testing.assert_array_equal(new_p['w'], before[0]['w'])
+  # Leaves mirroring the table: rows as init gives them, others untouched;
+  # init here sees the fresh rows as the table (adam_with_counter/ftrl start from 0,
+  # accumulators from their initial value).
+  fresh_init = tx.init({'emb': row_init[np.array([0, 2])], 'w': params['w']})
+  for new, old, ref_new, ref_old in zip(
+      jax.tree.leaves(new_state), jax.tree.leaves(before[1]),
+      jax.tree.leaves(fresh_init), jax.tree.leaves(init_state)):
+    new, old = np.asarray(new), np.asarray(old)
+    if new.shape[:1] == (10,) and np.shape(ref_old)[:1] == (10,):
+      np.testing.assert_array_equal(new[reset], np.asarray(ref_new))
+      np.testing.assert_array_equal(new[kept], old[kept])
+      assert (old[reset] != np.asarray(ref_new)).any() or name == 'ftrl'
+    else:
+      np.testing.assert_array_equal(new, old)      # count, w's state
+
+
+def test_reset_rows_keys_rows_by_raw_id_and_table():
+  params = {'a': jnp.zeros((6, 3)), 'b': jnp.zeros((6, 3))}
+  tx = lazy_optax.lazy_adam(0.1)
+  state = tx.init(params)
+  x = 2 ** 45 + 3
+  p, _ = lazy_optax.reset_rows(
+      tx, params, state, {'a': _fresh([1, 6], np.array([x, 9]), 6),
+                          'b': _fresh([4, 6], np.array([x, 9]), 6)},
+      init=jax.nn.initializers.normal(1.0), key=KEY)
+  q, _ = lazy_optax.reset_rows(
+      tx, params, state, {'a': _fresh([5], np.array([x]), 6)},
+      init=jax.nn.initializers.normal(1.0), key=KEY)
+  np.testing.assert_array_equal(p['a'][1], q['a'][5])    # same id, same row
+  assert not np.allclose(p['a'][1], p['b'][4])           # another table
+  # Rows look like draws of the initializer: many ids, mean 0, std 1.
+  many = np.arange(4000, dtype=np.int64) * 1000003
+  rows = np.asarray(reset_module.fresh_rows(
+      jax.nn.initializers.normal(1.0), KEY,
+      jnp.asarray(lazy_optax.split_ids(many)), (8,), jnp.float32, 'a'))
+  assert abs(rows.mean()) < 0.02 and abs(rows.std() - 1) < 0.02
+  corr = np.corrcoef(rows[:, 0], rows[:, 1])[0, 1]
+  assert abs(corr) < 0.05
+
+
+def test_reset_rows_jitted_equals_eager_and_is_batch_sized():
+  cap = 4096
+  params = {'emb': jnp.ones((cap, 8)), 'w': jnp.ones(2)}
+  tx = lazy_optax.lazy_adam(0.1)
+  state = tx.init(params)
+  rng = np.random.default_rng(0)
+  slots = np.where(rng.random(600) < 0.3, rng.permutation(cap)[:600], cap)
+  fresh = _fresh(slots, rng.integers(0, 2 ** 62, 600), cap)
+
+  def reset(p, s, f):
+    return lazy_optax.reset_rows(tx, p, s, {'emb': f}, init=INIT, key=KEY)
+
+  eager = reset(params, state, fresh)
+  jitted = jax.jit(reset, donate_argnums=(0, 1))
+  compiled = jitted.lower(params, state, fresh).compile()
+  out = jitted(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state),
+               fresh)
+  jax.tree.map(np.testing.assert_array_equal, eager, out)
+  text = compiled.as_text()
+  assert 'copy(' not in ''.join(
+      line for line in text.splitlines() if f'[{cap},' in line)
+
+
+def test_reset_rows_bad_input():
+  params = {'emb': jnp.zeros((4, 2))}
+  tx = lazy_optax.lazy_adam(0.1)
+  state = tx.init(params)
+  fresh = _fresh([1], np.array([5]), 4)
+  with pytest.raises(KeyError, match="no parameter named 'table'"):
+    lazy_optax.reset_rows(tx, params, state, {'table': fresh}, init=INIT,
+                          key=KEY)
+  with pytest.raises(TypeError, match='FreshRows'):
+    lazy_optax.reset_rows(tx, params, state, {'emb': jnp.array([1])},
+                          init=INIT, key=KEY)
+  with pytest.raises(ValueError, match='give a key'):
+    lazy_optax.reset_rows(tx, params, state, {'emb': fresh}, init=INIT)
+  with pytest.raises(ValueError, match='structure'):
+    lazy_optax.reset_rows(lazy_optax.rowwise_adagrad(0.1), params, state,
+                          {'emb': fresh}, init=INIT, key=KEY)
+  p, _ = lazy_optax.reset_rows(tx, params, state, {'emb': fresh}, init=None)
+  assert not np.asarray(p['emb']).any()
+
+
+def test_orbax_resume_continues_bit_for_bit(tmp_path):
+  ids, targets = _stream(24, seed=3)
+  table_ids = lazy_optax.IdTable(capacity=CAP, probe=PROBE, eviction='lfu',
+                                 ttl=5, admit_after=2, lfu_period=4)
+  tx = lazy_optax.lazy_adam(LR)
+  step = _make_step(table_ids, tx)
+  words = lazy_optax.split_ids(ids)
+
+  def fresh_run():
+    params = {'emb': jnp.zeros((CAP, D), jnp.float32)}
+    return params, tx.init(params), table_ids.init()
+
+  def run(state, ks):
+    for k in ks:
+      *state, _, _ = step(*state, words[k], targets[k], k)
+    return tuple(state)
+
+  straight = run(fresh_run(), range(24))
+  half = run(fresh_run(), range(12))
+  path = os.path.join(tmp_path, 'ckpt')
+  tree = {'params': half[0], 'opt_state': half[1], 'id_state': half[2]}
+  with ocp.StandardCheckpointer() as ckptr:
+    ckptr.save(path, tree)
+  target = jax.tree.map(np.zeros_like, tree)
+  with ocp.StandardCheckpointer() as ckptr:
+    restored = ckptr.restore(path, target)
+  resumed = run((restored['params'], restored['opt_state'],
+                 restored['id_state']), range(12, 24))
+  jax.tree.map(np.testing.assert_array_equal, straight, resumed)
+  assert isinstance(restored['id_state'], lazy_optax.IdTableState)
+  changed_ids, _, _ = lazy_optax.export_changes(resumed[2], since_step=20)
+  assert set(changed_ids.tolist()) <= set(ids[20:].ravel().tolist())
+  assert id_words.join_words(np.asarray(resumed[2].ids)).shape == (CAP,)
