@@ -15,7 +15,6 @@ ratio, and counts the table-sized copies in each compiled step.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import time
 
@@ -94,9 +93,11 @@ def main() -> None:
   for opt_name in optimizers:
     quad = float(np.median(times[(opt_name, 'quadratic')]))
     lin = float(np.median(times[(opt_name, 'linear')]))
-    print(f'  {opt_name:16s} quadratic {quad:.3f} ms ({copies[(opt_name, "quadratic")]} table copies), '
-          f'linear {lin:.3f} ms ({copies[(opt_name, "linear")]} table copies): '
-          f'linear / quadratic {lin / quad:.2f}x')
+    n_quad = copies[(opt_name, 'quadratic')]
+    n_lin = copies[(opt_name, 'linear')]
+    print(f'  {opt_name:16s} quadratic {quad:.3f} ms ({n_quad} table '
+          f'copies), linear {lin:.3f} ms ({n_lin} table copies): linear / '
+          f'quadratic {lin / quad:.2f}x')
 
 
 if __name__ == '__main__':

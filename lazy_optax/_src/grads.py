@@ -79,7 +79,8 @@ class _Probe(Recorder):
       if isinstance(table, jax.core.Tracer):
         self.foreign_shapes.add(tuple(jnp.shape(table)))
       return None
-    rows = read_rows(jax.lax.stop_gradient(table), ids, dtype)
+    rows = read_rows(jax.lax.stop_gradient(table), ids, dtype,
+                     constant=True)
     self.rows.setdefault(pos, []).append(
         jax.ShapeDtypeStruct(rows.shape, rows.dtype))
     self.varying.setdefault(pos, []).append(
@@ -101,7 +102,8 @@ class _Differentiate(Recorder):
     pos = self.position_of(table)
     if pos is None:
       return None
-    rows = read_rows(jax.lax.stop_gradient(table), ids, dtype)
+    rows = read_rows(jax.lax.stop_gradient(table), ids, dtype,
+                     constant=True)
     pending = self.pending[pos]
     if not pending or pending[0].shape != rows.shape:
       raise ValueError(

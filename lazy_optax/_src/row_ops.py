@@ -53,7 +53,10 @@ def _xla_add(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
 
 
 def gather(table: jax.Array, ids: jax.Array) -> jax.Array:
-  """`table[ids]`, zero rows where an id lies outside `[0, num_rows)`."""
+  """`table[ids]`, zero rows where an id lies outside `[0, num_rows)`.
+
+  `ids` is a vector. Not differentiable through `table` on the kernel's path.
+  """
   if table.ndim >= 1 and _kernel_ids(ids) and on_one_cpu(table):
     return jax.lax.platform_dependent(table, ids, cpu=cpu_kernels.gather,
                                       default=_xla_gather)

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.sparse_rows import index_dtype
 
@@ -40,7 +41,8 @@ def _rows_like_ids(table: Any, ids: Any) -> dict[str, Any]:
       mesh, jax.sharding.PartitionSpec(*spec))}
 
 
-def read_rows(table: Any, ids: jax.Array, dtype: Any = None) -> jax.Array:
+def read_rows(table: Any, ids: jax.Array, dtype: Any = None, *,
+              constant: bool = False) -> jax.Array:
   """`table[ids]`, with zero rows for ids outside `[0, num_rows)`.
 
   Out-of-range ids (negative ones too: JAX would wrap them before any gather
@@ -50,6 +52,10 @@ def read_rows(table: Any, ids: jax.Array, dtype: Any = None) -> jax.Array:
     table: `[num_rows, *row_shape]`.
     ids: integer ids of any shape.
     dtype: optional dtype of the rows.
+    constant: the table is under `stop_gradient` (nothing differentiates
+      through this read), so the CPU kernels' row gather may read it: on one
+      CPU device it prefetches the cold rows that XLA's gather waits for
+      (a 1,000,000 x 64 `lazy_adam` step 0.58 -> 0.39 ms).
 
   Returns:
     `ids.shape + row_shape` rows.
@@ -65,8 +71,13 @@ def read_rows(table: Any, ids: jax.Array, dtype: Any = None) -> jax.Array:
   num_rows = jnp.shape(table)[0]
   ids = ids.astype(index_dtype(num_rows))
   safe = jnp.where(in_range(ids, num_rows), ids, num_rows)
-  rows = jnp.asarray(table).at[safe].get(mode='fill', fill_value=0,
-                                        **_rows_like_ids(table, safe))
+  table = jnp.asarray(table)
+  if constant and table.ndim >= 1:
+    flat = row_ops.gather(table, safe.reshape(-1))
+    rows = flat.reshape(safe.shape + table.shape[1:])
+  else:
+    rows = table.at[safe].get(mode='fill', fill_value=0,
+                              **_rows_like_ids(table, safe))
   return rows if dtype is None else rows.astype(dtype)
 
 
