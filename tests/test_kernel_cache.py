@@ -215,6 +215,9 @@ def test_nothing_is_built_or_loaded_inside_a_trace(tmp_path):
   assert 'TRACED None False' in done.stdout
   assert 'not loaded yet' in done.stdout
   assert not cache.exists() or not list(cache.iterdir())
+  # Said once, on the lazy_optax logger, how to get the kernels.
+  assert done.stderr.count('CPU kernels are not loaded in this process') == 1
+  assert 'tx.init outside jax.jit' in done.stderr
 
 
 def test_a_prebuilt_library_serves_a_machine_without_compiler(built,

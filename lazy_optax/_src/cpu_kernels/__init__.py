@@ -111,8 +111,29 @@ def status() -> Optional[Status]:
   return _status
 
 
+_told_not_loaded = False
+
+
 def loaded() -> bool:
-  """Whether the kernels are registered with XLA (no side effects)."""
+  """Whether the kernels are registered with XLA (never loads them).
+
+  Asked while a step is traced. If loading was never tried in this process
+  (the optimizer's `init` ran inside `jax.jit`, or not here) on a CPU
+  backend, this says so once on the `lazy_optax` logger: the step then runs
+  XLA's row updates.
+  """
+  global _told_not_loaded
+  if (_status is None and not _told_not_loaded
+      and os.environ.get(ENV_SWITCH, '1') != '0'
+      and jax.default_backend() == 'cpu'):
+    _told_not_loaded = True
+    build.LOGGER.warning(
+        'lazy_optax: the CPU kernels are not loaded in this process (they '
+        'load at the first init of an optimizer on concrete CPU arrays, '
+        'never inside jax.jit), so this step uses XLA\'s row updates. Call '
+        'tx.init outside jax.jit, or lazy_optax.kernel_status(), before '
+        'tracing the step (python3 -m lazy_optax.build_kernels builds them '
+        'ahead of time).')
   return _status is not None and _status.loaded
 
 
