@@ -191,6 +191,8 @@ def _kernel_refusal(rule: RowRule, g: Any, blocks: dict[str, Block],
   if where.kind == 'auto':
     return ('the table lives on several devices with Auto axes, whose row '
             'split a trace cannot see (use Explicit axes)')
+  if where.split_within_rows:
+    return 'the table is split within its rows (only row splits run per shard)'
   if where.kind == 'explicit' and where.row_axes:
     shards = 1
     for axis in where.row_axes:

@@ -32,11 +32,14 @@ class Placement(NamedTuple):
     lowering).
   mesh: the (abstract) mesh for `'explicit'`, else None.
   row_axes: the mesh axes the rows are split over (`'explicit'` only).
+  split_within_rows: whether a dimension after the first is split
+    (`'explicit'` only).
   """
   kind: str
   platform: Optional[str] = None
   mesh: Any = None
   row_axes: tuple[str, ...] = ()
+  split_within_rows: bool = False
 
 
 def _row_axes(spec: Any) -> tuple[str, ...]:
@@ -66,6 +69,7 @@ def placement(x: Any) -> Placement:
   if mesh is None or mesh.empty or mesh.size == 1:
     return Placement('one', _platform(mesh) if mesh is not None else None)
   if getattr(mesh, 'explicit_axes', ()):
-    return Placement('explicit', _platform(mesh), mesh,
-                     _row_axes(sharding.spec))
+    spec = tuple(sharding.spec)
+    return Placement('explicit', _platform(mesh), mesh, _row_axes(spec),
+                     any(axis is not None for axis in spec[1:]))
   return Placement('auto', _platform(mesh))
