@@ -1,7 +1,10 @@
 """Deduplication of row ids: distinct ids and their summed values, in `N` slots.
 
-Both ways of finding each id's slot rest on a one-operand sort (on XLA CPU
-several times faster than sorting positions along, as `argsort` does):
+On one CPU device with the kernels loaded, `unique_rows` is the C++ kernel
+(`cpu_kernels.dedup`: a hash table, the distinct ids radix-sorted, sums in
+float32). Elsewhere XLA does it, and both of its ways of finding each id's
+slot rest on a one-operand sort (on XLA CPU several times faster than
+sorting positions along, as `argsort` does):
 
 * **packed keys**, for batches of at most 2,048 ids whose `(num_rows + 1) <<
   bits` fits 32 bits (`bits` those of a position; every table up to 2**21
@@ -17,7 +20,7 @@ several times faster than sorting positions along, as `argsort` does):
   loop of `log2(N)` trips. At 4,096 ids of 64 floats packed keys were no
   faster on 1 thread and 15 to 25% slower on 2, hence the cut at 2,048.
 
-Other ways measured slower (benchmarks/README.md): a two-operand sort,
+Other ways measured slower (benchmarks/HISTORY.md): a two-operand sort,
 `searchsorted` with `method='sort'` or `'compare_all'`, and one sort for all
 tables of a model at once.
 """

@@ -74,7 +74,7 @@ def advise_huge_pages(tree: Any, *, min_bytes: int = 4 * HUGE_PAGE_BYTES
   Values are unchanged. Measured on a 1,000,000 x 64 float32 `lazy_adam`
   train step (interleaved in one process): 1.256 ms on 4 KiB pages, 0.999
   ms after `advise_huge_pages((params, opt_state))` on 1 thread, 1.078 and
-  0.971 ms on 2; see `benchmarks/README.md`. Call it once after `init` (and
+  0.971 ms on 2; see `benchmarks/HISTORY.md`. Call it once after `init` (and
   after restoring a checkpoint) and donate params and optimizer state in the
   train step, so that XLA keeps updating the same buffers; a step that does
   not donate returns new buffers, which are not advised. Elsewhere (other
