@@ -172,8 +172,10 @@ def reset_rows(
 
   Raises:
     KeyError: a name in `fresh` is not a parameter path.
-    TypeError, ValueError: malformed `fresh`, or a state leaf that does not
-      mirror the table row by row (as for `lazy`).
+    TypeError, ValueError: malformed `fresh`, a table whose row count is not
+      the capacity of the `IdTable` that made its `FreshRows` (at trace
+      time), or a state leaf that does not mirror the table row by row (as
+      for `lazy`).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np
