@@ -78,7 +78,7 @@ def split_ids(ids: Any, *, ids_are_32bit: bool = False) -> Any:
     dtype = _dtype_of(ids)
     _check_integer(dtype, where, name)
     if _is_tracer(ids):
-      if dtype.itemsize < 8 and not ids_are_32bit and not _x64():
+      if dtype.itemsize < 8 and not ids_are_32bit:
         _refuse_narrow_tracer(dtype, where, name)
     else:
       _check_range_host(np.asarray(ids), where, name)
@@ -147,11 +147,6 @@ def _check_range_host(host: np.ndarray, where: str, name: str) -> None:
       raise ValueError(
           f'{where}: {name} must lie in [0, 2**63 - 1], got '
           f'{int(host.reshape(-1)[first])} at flat position {first}.')
-
-
-def _x64() -> bool:
-  """Whether JAX keeps 64-bit integers (`jax_enable_x64`) at this point."""
-  return jax.dtypes.canonicalize_dtype(np.int64) == np.dtype(np.int64)
 
 
 def _refuse_narrow_tracer(dtype: np.dtype, where: str, name: str) -> None:
@@ -232,7 +227,9 @@ def to_words(raw_ids: Any, where: str, *, ids_are_32bit: bool = False
   * Traced 64-bit ids (under `jax_enable_x64`, where jit keeps them).
   * Traced ids of fewer bits only with `ids_are_32bit=True`: without x64 a
     traced int32 array may be an int64 array cut at the jit boundary, so it
-    is refused (`TypeError`) at trace time. Traced negative ids get no slot.
+    is refused (`TypeError`) at trace time (under x64 too: one rule, and
+    nothing in the trace says where the int32 came from). Traced negative
+    ids get no slot.
 
   Args:
     raw_ids: the ids.
@@ -261,7 +258,7 @@ def to_words(raw_ids: Any, where: str, *, ids_are_32bit: bool = False
   if dtype == np.uint32:
     return _words_in(raw_ids, where)
   if _is_tracer(raw_ids):
-    if dtype.itemsize < 8 and not ids_are_32bit and not _x64():
+    if dtype.itemsize < 8 and not ids_are_32bit:
       _refuse_narrow_tracer(dtype, where, name)
     words = _split_jax(raw_ids)
   else:
