@@ -192,7 +192,7 @@ class NnxEmbed(nnx.Embed):
     if out_sharding is None:
       return lookups.lookup_rows(table, inputs, dtype=self.dtype,
                                  padding_id=self.padding_id, caller=caller)
-    ids = lookups.check_ids(inputs, caller)
+    ids = lookups.check_ids(inputs, caller, self.num_embeddings)
     padding_id = self.padding_id
     lookups.check_in_range(ids, lookups.not_padding(ids, padding_id, caller),
                            self.num_embeddings, caller)

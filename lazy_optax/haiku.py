@@ -95,7 +95,7 @@ class Embed(hk.Embed):
     if style != hk.EmbedLookupStyle.ARRAY_INDEX:
       # A one-hot product: a dense gradient, but the same rule for ids.
       where = lookups.where_of(caller, self._path())
-      ids = lookups.check_ids(ids, where)
+      ids = lookups.check_ids(ids, where, self.embeddings.shape[0])
       active = lookups.not_padding(ids, self.padding_id, where)
       lookups.check_in_range(ids, active, self.embeddings.shape[0], where)
       out = super().__call__(ids, lookup_style=style, precision=precision)

@@ -247,7 +247,8 @@ def test_counters_do_not_wrap_around():
 def test_checked_mode_reports_a_full_table():
   table = lazy_optax.IdTable(capacity=4, probe=4, eviction='none',
                              checked=True)
-  step = jax.jit(lambda s, ids, k: table.assign(s, ids, step=k))
+  step = jax.jit(lambda s, ids, k: table.assign(s, ids, step=k,
+                                                ids_are_32bit=True))
   slots, state, _ = lazy_optax.checks.checked(step)(table.init(),
                                              jnp.arange(4), 0)
   with pytest.raises(lazy_optax.checks.CheckError, match='4 looked-up ids got no'
@@ -262,7 +263,8 @@ def test_checked_mode_reports_a_full_table():
 
 def test_traced_invalid_ids_get_no_row_and_change_nothing():
   table = lazy_optax.IdTable(capacity=8, probe=4)
-  assign = jax.jit(lambda s, ids: table.assign(s, ids, step=0))
+  assign = jax.jit(lambda s, ids: table.assign(s, ids, step=0,
+                                                ids_are_32bit=True))
   slots, state, fresh = assign(table.init(), jnp.array([-3, 5, -1]))
   assert np.asarray(slots).tolist()[0::2] == [8, 8]
   assert int(state.live) == 1
@@ -281,16 +283,17 @@ def test_split_ids_round_trips_64_bit_ids():
                                 lazy_optax.split_ids(np.array([5, 2 ** 40])))
   from_jax = lazy_optax.split_ids(jnp.array([7, 9], jnp.int32))
   np.testing.assert_array_equal(np.asarray(from_jax), [[0, 7], [0, 9]])
-  traced = jax.jit(lazy_optax.split_ids)(jnp.array([-1, 3], jnp.int32))
+  traced = jax.jit(lambda i: lazy_optax.split_ids(i, ids_are_32bit=True))(
+      jnp.array([-1, 3], jnp.int32))
   assert int(traced[0, 0]) == id_words.EMPTY_WORD   # invalid: no slot
 
 
 @pytest.mark.parametrize('bad, error, match', [
     (np.array([3, -2], np.int64), ValueError, 'got -2 at flat position 1'),
-    ([1, -1], ValueError, 'raw ids must lie in'),
+    ([1, -1], ValueError, 'raw_ids must lie in'),
     (np.array([1.0, 2.0]), TypeError, 'integer dtype, got float64'),
     (jnp.array([1.5]), TypeError, 'integer dtype'),
-    (np.array([True]), TypeError, 'integer dtype, got bool'),
+    (np.array([True]), TypeError, r'booleans \(dtype bool\)'),
     (np.array([2 ** 63], np.uint64), ValueError, r'\[0, 2\*\*63 - 1\]'),
     (np.array([1, 2, 3], np.uint32), ValueError, 'last dimension of 2'),
     (np.array([[2 ** 31, 1]], np.uint32), ValueError, 'high word'),
@@ -361,10 +364,13 @@ def test_every_python_block_of_the_guide_runs_in_order():
                        'hashed_ids.md')
   with open(guide) as f:
     blocks = re.findall(r'```python\n(.*?)```', f.read(), re.S)
-  assert len(blocks) == 2
+  assert len(blocks) == 3      # the train step, Equinox's, serving
   namespace = {}
   for i, code in enumerate(blocks):
     exec(compile(code, f'hashed_ids.md[block {i}]', 'exec'), namespace)
+  # The Equinox step ran 5 steps and was traced (so compiled) once.
+  assert namespace['traces'] == 1
+  assert namespace['item_ids'].stats(namespace['item_state'])['live'] == 320
   stats = namespace['table_ids'].stats(namespace['id_state'])
   assert stats['admissions'] == 20 * 64 > stats['live']
   assert stats['live'] + stats['evictions'] == stats['admissions']

@@ -136,9 +136,29 @@ class FreshRows(NamedTuple):
       owner, or `capacity` (nothing to reset). Each fresh slot appears once.
     ids: `uint32[N, 2]`: the raw id words at the same positions (used to
       derive each fresh row's initial value from its id).
+    capacity: the capacity of the `IdTable` that made it (static: not a
+      leaf of the pytree), so that `reset_rows` refuses a table of another
+      row count at trace time; None (no check) for hand-made ones.
   """
   slots: jax.Array
   ids: jax.Array
+  capacity: Optional[int] = None
+
+
+# The capacity is static data of the pytree (known at trace time), the
+# slots and ids its leaves.
+def _fresh_rows_from(capacity: Optional[int], leaves: Any) -> FreshRows:
+  slots, ids = leaves
+  return FreshRows(slots, ids, capacity)
+
+
+jax.tree_util.register_pytree_with_keys(
+    FreshRows,
+    lambda rows: (((jax.tree_util.GetAttrKey('slots'), rows.slots),
+                   (jax.tree_util.GetAttrKey('ids'), rows.ids)),
+                  rows.capacity),
+    _fresh_rows_from,
+    lambda rows: ((rows.slots, rows.ids), rows.capacity))
 
 
 def _add64(count: jax.Array, n: jax.Array) -> jax.Array:
@@ -193,13 +213,33 @@ def _count(mask: jax.Array) -> jax.Array:
   return jnp.sum(mask.astype(jnp.int32))
 
 
-def _check_int(value: Any, name: str, low: int, high: int) -> int:
+class _DefaultProbe(int):
+  """The default `probe` (16), narrowed to `capacity` for smaller tables."""
+
+
+_DEFAULT_PROBE = _DefaultProbe(16)
+
+
+def _int_problem(value: Any, name: str, low: int,
+                 high: int) -> Optional[Exception]:
+  """What is wrong with an int argument (None: nothing)."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f'IdTable: {name} must be a Python int, got {value!r}.')
+    return TypeError(f'{name} must be a Python int, got {value!r}')
   if not low <= value <= high:
-    raise ValueError(
-        f'IdTable: {name} must lie in [{low}, {high}], got {value}.')
-  return int(value)
+    return ValueError(f'{name} must lie in [{low}, {high}], got {value}')
+  return None
+
+
+def _raise_all(problems: list[Exception]) -> None:
+  """One error naming every bad argument (a TypeError if all are)."""
+  if not problems:
+    return
+  kind = TypeError if all(isinstance(p, TypeError) for p in problems) else (
+      ValueError)
+  if len(problems) == 1:
+    raise kind(f'IdTable: {problems[0]}.')
+  listed = '; '.join(str(p) for p in problems)
+  raise kind(f'IdTable: {len(problems)} bad arguments: {listed}.')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,7 +257,7 @@ class IdTable:
     capacity: the number of slots (the table's row count), at most
       `2**31 - 2`.
     probe: the probe window's size (slots an id may live in), in
-      `[1, min(capacity, 4096)]`.
+      `[1, min(capacity, 4096)]`; default `min(16, capacity)`.
     eviction: `'lru'` (the least recently seen id of the window gives way),
       `'lfu'` (the lowest count, halved every `lfu_period` steps, then the
       least recently seen), or `'none'` (a full window rejects the new id).
@@ -252,7 +292,7 @@ class IdTable:
   """
 
   capacity: int
-  probe: int = 16
+  probe: int = _DEFAULT_PROBE
   eviction: str = 'lru'
   admit_after: int = 1
   ttl: Optional[int] = None
@@ -265,26 +305,51 @@ class IdTable:
   checked: bool = False
 
   def __post_init__(self):
-    _check_int(self.capacity, 'capacity', 1, _MAX_CAPACITY)
-    _check_int(self.probe, f'probe (with capacity={self.capacity})', 1,
-               min(self.capacity, 4096))
+    problems = self._argument_problems()
+    _raise_all(problems)
+    if type(self.probe) is _DefaultProbe:  # pylint: disable=unidiomatic-typecheck
+      object.__setattr__(self, 'probe', min(int(self.probe), self.capacity))
+    for name in ('capacity', 'probe', 'admit_after', 'ttl', 'rounds',
+                 'lfu_period', 'sketch_depth', 'sketch_width', 'eviction_log',
+                 'seed'):
+      value = getattr(self, name)
+      if value is not None:
+        object.__setattr__(self, name, int(value))
+
+  def _argument_problems(self) -> list[Exception]:
+    """Every bad argument, in signature order (none hides another)."""
+    problems = []
+
+    def check(value: Any, name: str, low: int, high: int) -> bool:
+      problem = _int_problem(value, name, low, high)
+      if problem is not None:
+        problems.append(problem)
+      return problem is None
+
+    capacity_ok = check(self.capacity, 'capacity', 1, _MAX_CAPACITY)
+    if type(self.probe) is not _DefaultProbe:  # pylint: disable=unidiomatic-typecheck
+      high = min(self.capacity, 4096) if capacity_ok else 4096
+      name = f'probe (with capacity={self.capacity})' if capacity_ok and (
+          self.capacity < 4096) else 'probe'
+      check(self.probe, name, 1, high)
     if self.eviction not in _EVICTIONS:
-      raise ValueError(f'IdTable: eviction must be one of {_EVICTIONS}, got '
-                       f'{self.eviction!r}.')
-    _check_int(self.admit_after, 'admit_after', 1, _COUNT_LIMIT)
+      problems.append(ValueError(
+          f'eviction must be one of {_EVICTIONS}, got {self.eviction!r}'))
+    check(self.admit_after, 'admit_after', 1, _COUNT_LIMIT)
     if self.ttl is not None:
-      _check_int(self.ttl, 'ttl', 0, 2 ** 26)
-    _check_int(self.rounds, 'rounds', 1, 64)
-    _check_int(self.lfu_period, 'lfu_period', 1, 2 ** 30)
-    _check_int(self.sketch_depth, 'sketch_depth', 1, 16)
+      check(self.ttl, 'ttl', 0, 2 ** 26)
+    check(self.rounds, 'rounds', 1, 64)
+    check(self.lfu_period, 'lfu_period', 1, 2 ** 30)
+    check(self.sketch_depth, 'sketch_depth', 1, 16)
     if self.sketch_width is not None:
-      _check_int(self.sketch_width, 'sketch_width', 1, 2 ** 31 - 1)
+      check(self.sketch_width, 'sketch_width', 1, 2 ** 31 - 1)
     if self.eviction_log is not None:
-      _check_int(self.eviction_log, 'eviction_log', 0, 2 ** 31 - 1)
-    _check_int(self.seed, 'seed', 0, 2 ** 32 - 1)
+      check(self.eviction_log, 'eviction_log', 0, 2 ** 31 - 1)
+    check(self.seed, 'seed', 0, 2 ** 32 - 1)
     if not isinstance(self.checked, bool):
-      raise TypeError(f'IdTable: checked must be a bool, got '
-                      f'{self.checked!r}.')
+      problems.append(TypeError(f'checked must be a bool, got '
+                                f'{self.checked!r}'))
+    return problems
 
   # -- shapes -----------------------------------------------------------------
 
@@ -400,7 +465,8 @@ class IdTable:
       return occupied
     return occupied & (window_seen >= now - self.ttl)
 
-  def find(self, state: IdTableState, raw_ids: Any) -> jax.Array:
+  def find(self, state: IdTableState, raw_ids: Any, *,
+           ids_are_32bit: bool = False) -> jax.Array:
     """The slots of live ids, `capacity` for absent ones; never inserts.
 
     For serving and evaluation: the state is read, not changed (an id that
@@ -410,9 +476,13 @@ class IdTable:
     Args:
       state: the table's state.
       raw_ids: ids of any shape (as for `assign`).
+      ids_are_32bit: as for `assign`: lets traced int32 ids through.
 
     Returns:
       int32 slots of the ids' shape, in `[0, capacity]`.
+
+    Raises:
+      TypeError, ValueError: bad ids or state (as for `assign`).
 
     Example:
       >>> import numpy as np
@@ -426,7 +496,8 @@ class IdTable:
     """
     where = 'IdTable.find'
     self._check_state(state, where)
-    words, shape = id_words.to_words(raw_ids, where)
+    words, shape = id_words.to_words(raw_ids, where,
+                                     ids_are_32bit=ids_are_32bit)
     mesh = _sharding.explicit_mesh(state.ids)
     if mesh is not None:
       whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -485,7 +556,8 @@ class IdTable:
     # Under jit a step before the state's counts as the state's step.
     return jnp.maximum(jnp.asarray(step, jnp.int32), state.step)
 
-  def assign(self, state: IdTableState, raw_ids: Any, step: Any = None
+  def assign(self, state: IdTableState, raw_ids: Any, step: Any = None, *,
+             ids_are_32bit: bool = False
              ) -> tuple[jax.Array, IdTableState, FreshRows]:
     """Slots for a batch of raw ids, inserting new ids (see the module doc).
 
@@ -494,13 +566,19 @@ class IdTable:
 
     Args:
       state: the table's state.
-      raw_ids: ids of any shape: int32 (non-negative), NumPy int64 (outside
-        jit), or `uint32[..., 2]` words from `lazy_optax.split_ids` (inside
-        jit). Concrete invalid ids raise; traced ones (negative int32) get
-        slot `capacity`.
+      raw_ids: ids of any shape, in a form that cannot have lost bits:
+        concrete integer arrays (NumPy int64 outside jit, converted on the
+        host), `uint32[..., 2]` words from `lazy_optax.split_ids` (inside
+        jit), or traced int64 under `jax_enable_x64`. Traced int32 ids are
+        refused at trace time (they may be int64 ids that `jax.jit` cut to
+        32 bits) unless `ids_are_32bit=True`. Concrete invalid ids raise;
+        traced ones (negative int32) get slot `capacity`.
       step: the training step (a non-decreasing int, traced or not); the
         default is the state's step + 1. It drives `'lru'`, `ttl` and
         `export_changes`.
+      ids_are_32bit: the caller's promise that every id lies in
+        `[0, 2**31 - 1]`: traced int32 ids are then taken as they are
+        (concrete ones are checked against it).
 
     Returns:
       `(slots, state, fresh)`: int32 slots of the ids' shape in
@@ -512,7 +590,8 @@ class IdTable:
     """
     where = 'IdTable.assign'
     self._check_state(state, where)
-    words, shape = id_words.to_words(raw_ids, where)
+    words, shape = id_words.to_words(raw_ids, where,
+                                     ids_are_32bit=ids_are_32bit)
     now = self._step(state, step, where)
     mesh = _sharding.explicit_mesh(state.ids)
     if mesh is None:
@@ -530,6 +609,7 @@ class IdTable:
               state, words, now)
     if self.checked:
       checks.check_id_table_room(room, state.live, self.capacity)
+    fresh = fresh._replace(capacity=self.capacity)
     return slots.reshape(shape), state, fresh
 
   def _assign(self, state: IdTableState, words: jax.Array, now: jax.Array

@@ -39,23 +39,34 @@ def where_of(caller: str, path: Optional[str]) -> str:
   return f'{caller} of table {path}' if path else caller
 
 
-def check_ids(ids: Any, where: str) -> jax.Array:
+def check_ids(ids: Any, where: str,
+              num_rows: Optional[int] = None) -> jax.Array:
   """The lookup ids as an array; they must have an integer dtype.
 
   Args:
     ids: the ids given to a lookup or embedding layer.
     where: who got them, for the message (`'lookup of table emb/table'`).
+    num_rows: the table's row count: host ids that JAX's integer dtype
+      cannot hold (int64 without x64) raise the out-of-range `ValueError`
+      before the cast would wrap them onto a row.
 
   Returns:
     `ids` as a JAX array (tracers are returned as they are).
 
   Raises:
     TypeError: the ids are not integers.
+    ValueError: a host id does not fit JAX's integer dtype.
   """
+  if num_rows is not None:
+    validate.ids_fit_jax(ids, num_rows, where)
   if not isinstance(ids, jax.core.Tracer):
     ids = jnp.asarray(ids)
   validate.integer_ids(ids, where)
   return ids
+
+
+def _rows_of(table: Any) -> Optional[int]:
+  return jnp.shape(table)[0] if jnp.ndim(table) else None
 
 
 def _check_table(table: Any, where: str) -> None:
@@ -140,7 +151,7 @@ def lookup_rows(table: Any, ids: Any, *, dtype: Any = None,
                 path: Optional[str] = None,
                 caller: str = 'lookup') -> jax.Array:
   """`lookup`, for the layers: `path` names the table in messages."""
-  ids = check_ids(ids, where_of(caller, path))
+  ids = check_ids(ids, where_of(caller, path), _rows_of(table))
   active = not_padding(ids, padding_id, where_of(caller, path))
   return _gather(table, ids, active, dtype, caller, path)
 
@@ -190,7 +201,7 @@ def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
              caller: str = 'lookup_bag') -> jax.Array:
   """`lookup_bag`, for the layers: `path` names the table in messages."""
   where = where_of(caller, path)
-  ids = check_ids(ids, where)
+  ids = check_ids(ids, where, _rows_of(table))
   if ids.ndim != 2:
     raise ValueError(
         f'{where}: ids must be a padded [batch, max_len] array, got shape '

@@ -108,10 +108,18 @@ def _check_fresh(name: str, rows: Any, table: Any) -> None:
     raise TypeError(
         f'{where}: expected the FreshRows that IdTable.assign returns, got '
         f'{type(rows).__name__}.')
-  slots, ids = rows
+  slots, ids = rows.slots, rows.ids
   if jnp.ndim(table) < 1:
     raise ValueError(f'{where} has shape {jnp.shape(table)}: a table needs '
                      'rows.')
+  num_rows = jnp.shape(table)[0]
+  if rows.capacity is not None and rows.capacity != num_rows:
+    raise ValueError(
+        f'{where} has {num_rows} rows, but its FreshRows come from an IdTable '
+        f'of capacity {rows.capacity}: slot s names row s and slot '
+        f'{rows.capacity} no row, so the table needs exactly capacity rows '
+        f'(fresh slots at or above {num_rows} would be skipped, and a filler '
+        f'slot below it would reset a real row).')
   if (jnp.ndim(slots) != 1 or not jnp.issubdtype(jnp.result_type(slots),
                                                   jnp.integer)):
     raise ValueError(f'{where}: fresh.slots must be an integer vector, got '
@@ -164,8 +172,10 @@ def reset_rows(
 
   Raises:
     KeyError: a name in `fresh` is not a parameter path.
-    TypeError, ValueError: malformed `fresh`, or a state leaf that does not
-      mirror the table row by row (as for `lazy`).
+    TypeError, ValueError: malformed `fresh`, a table whose row count is not
+      the capacity of the `IdTable` that made its `FreshRows` (at trace
+      time), or a state leaf that does not mirror the table row by row (as
+      for `lazy`).
 
   Example:
     >>> import jax, jax.numpy as jnp, numpy as np

@@ -151,12 +151,13 @@ class SparseRows(metaclass=_SparseRowsType):
       if given is _MISSING:
         raise TypeError(f'SparseRows() missing required argument: {name!r}.')
     num_rows = validate.num_rows(num_rows)
+    given = ids          # host int64 ids are range-checked before any cast
     ids = ids if _is_tracer(ids) else jnp.asarray(ids)
     values = values if _is_tracer(values) else jnp.asarray(values)
     validate.index_vector(ids, 'SparseRows')
     validate.one_row_per_index(ids.shape[0], values, 'SparseRows')
     if not _is_tracer(ids):
-      validate.indices_in_range(ids, num_rows, 'SparseRows')
+      validate.indices_in_range(given, num_rows, 'SparseRows')
     self._set(None, ids.astype(index_dtype(num_rows)), values, num_rows,
               distinct=False)
 

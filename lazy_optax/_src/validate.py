@@ -107,6 +107,32 @@ def indices_in_range(ids: Any, num_rows: int, where: str) -> None:
         id=int(host[bad[0]]), position=int(bad[0]), count=bad.size))
 
 
+def ids_fit_jax(ids: Any, num_rows: int, where: str) -> None:
+  """Concrete host ids must survive the cast to JAX's integer dtype.
+
+  Without `jax_enable_x64`, `jnp.asarray` cuts NumPy int64 ids to int32
+  silently (`2**32 + 3` becomes `3`, a row of the table). Such an id is out
+  of range for any table whose rows JAX can index, so it is refused here,
+  on the host, before any cast, with the out-of-range message.
+  """
+  if isinstance(ids, (jax.Array, jax.core.Tracer)):
+    return
+  host = np.asarray(ids)
+  if host.dtype.kind not in 'iu' or not host.size:
+    return
+  target = np.dtype(jax.dtypes.canonicalize_dtype(host.dtype))
+  if target == host.dtype:
+    return
+  info = np.iinfo(target)
+  lost = (host < info.min) | (host > info.max)
+  if lost.any():
+    first = int(np.flatnonzero(lost.reshape(-1))[0])
+    position = np.asarray(np.unravel_index(first, host.shape))
+    raise ValueError(out_of_range_message(where, num_rows).format(
+        id=int(host.reshape(-1)[first]), position=position,
+        count=int(lost.sum())))
+
+
 def id_code_structure(code: Any, values: Any, width: int, where: str) -> None:
   """What a tree-wide cast or reshape of a `SparseRows` shows at trace time."""
   dtype = jnp.result_type(code)
