@@ -137,7 +137,7 @@ def test_assign_follows_the_model(name, data):
         np.asarray(find(state, lazy_optax.split_ids(probe_ids))),
         [model.find(int(x)) for x in probe_ids])
     since = int(rng.integers(0, step + 2))
-    changed_ids, changed_slots, evicted = lazy_optax.export_changes(
+    changed_ids, changed_slots, evicted = table.export_changes(
         state, since_step=since)
     want_changed, want_evicted = model.export(since)
     assert dict(zip(changed_slots.tolist(), changed_ids.tolist())) == (
@@ -229,9 +229,9 @@ def test_eviction_log_overflow_is_refused_not_guessed():
     _, state, _ = table.assign(state, np.arange(4 * k, 4 * k + 4), step=k)
   assert table.stats(state)['evictions'] > 3
   with pytest.raises(ValueError, match='eviction_log'):
-    lazy_optax.export_changes(state, since_step=1)
+    table.export_changes(state, since_step=1)
   # A window with no evictions yet is exact.
-  changed, _, evicted = lazy_optax.export_changes(state, since_step=4)
+  changed, _, evicted = table.export_changes(state, since_step=4)
   assert changed.tolist() == evicted.tolist() == []
 
 
@@ -337,7 +337,9 @@ def test_bad_steps_and_states():
   with pytest.raises(TypeError, match='IdTableState'):
     table.find({'ids': 1}, np.array([1]))
   with pytest.raises(TypeError, match='IdTableState'):
-    lazy_optax.export_changes({'ids': 1}, since_step=0)
+    table.export_changes({'ids': 1}, since_step=0)
+  with pytest.raises(TypeError, match='since_step must be an int'):
+    table.export_changes(table.init(), since_step=1.0)
 
 
 def test_sharded_over_8_devices_equals_one_device():

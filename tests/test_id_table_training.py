@@ -294,6 +294,6 @@ def test_orbax_resume_continues_bit_for_bit(tmp_path):
                  restored['id_state']), range(12, 24))
   jax.tree.map(np.testing.assert_array_equal, straight, resumed)
   assert isinstance(restored['id_state'], lazy_optax.IdTableState)
-  changed_ids, _, _ = lazy_optax.export_changes(resumed[2], since_step=20)
+  changed_ids, _, _ = table_ids.export_changes(resumed[2], since_step=20)
   assert set(changed_ids.tolist()) <= set(ids[20:].ravel().tolist())
   assert id_words.join_words(np.asarray(resumed[2].ids)).shape == (CAP,)

@@ -43,20 +43,18 @@ import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 from lazy_optax._src import checks
-from lazy_optax._src import id_hashing
+from lazy_optax._src import id_assign
+from lazy_optax._src import id_export
 from lazy_optax._src import id_words
 from lazy_optax._src import sharding as _sharding
 
 _EVICTIONS = ('lru', 'lfu', 'none')
 _MAX_CAPACITY = 2 ** 31 - 2          # capacity itself must fit int32
 EMPTY_STEP = -(2 ** 30)              # last_seen of a never-used slot
-_BIG_STEP = 2 ** 31 - 1
-_COUNT_LIMIT = 2 ** 30
 
 
 class IdCounters(NamedTuple):
@@ -112,12 +110,12 @@ class IdTableState(NamedTuple):
   """
   ids: jax.Array
   last_seen: jax.Array
-  counts: jax.Array
+  counts: Optional[jax.Array]
   claims: jax.Array
-  sketch: jax.Array
-  wheel: jax.Array
-  log_ids: jax.Array
-  log_steps: jax.Array
+  sketch: Optional[jax.Array]
+  wheel: Optional[jax.Array]
+  log_ids: Optional[jax.Array]
+  log_steps: Optional[jax.Array]
   log_next: jax.Array
   log_lost: jax.Array
   step: jax.Array
@@ -139,58 +137,6 @@ class FreshRows(NamedTuple):
   """
   slots: jax.Array
   ids: jax.Array
-
-
-def _add64(count: jax.Array, n: jax.Array) -> jax.Array:
-  """`count` (uint32 [high, low]) plus a non-negative int32 `n`."""
-  low = count[1] + n.astype(jnp.uint32)
-  carry = (low < count[1]).astype(jnp.uint32)
-  return jnp.stack([count[0] + carry, low])
-
-
-def _after(index: jax.Array, read: jax.Array, fill: int) -> jax.Array:
-  """`index`, made to depend on `read` (int32 values that are never max).
-
-  A scatter into a donated array whose indices do not depend on an earlier
-  gather from it makes XLA copy the whole array first (nothing orders the
-  gather before the in-place write); measured here on every such pair. This
-  keeps the indices as they are and adds the dependency.
-  """
-  return jnp.where(read != jnp.iinfo(jnp.int32).max, index, fill)
-
-
-def _window(array: jax.Array, homes: jax.Array, probe: int) -> jax.Array:
-  """`array[homes[i] : homes[i] + probe]` for each i: `[N, probe, ...]`."""
-  rest = array.shape[1:]
-  dims = lax.GatherDimensionNumbers(
-      offset_dims=tuple(range(1, 2 + len(rest))), collapsed_slice_dims=(),
-      start_index_map=(0,))
-  return lax.gather(array, homes[:, None], dims, (probe, *rest),
-                    mode='clip')
-
-
-def _first(mask: jax.Array) -> jax.Array:
-  """The first True column of each row of `mask [N, P]`, or P (int32).
-
-  Two plain reductions: on XLA CPU `argmin`/`argmax` (a variadic reduce)
-  measured several times slower.
-  """
-  probe = mask.shape[1]
-  return jnp.min(jnp.where(mask, lax.iota(jnp.int32, probe)[None, :], probe),
-                 axis=1)
-
-
-def _pick(values: jax.Array, j: jax.Array) -> jax.Array:
-  """`values[i, j[i]]` for `values [N, P]` (zero where `j[i]` is P)."""
-  hit = lax.iota(jnp.int32, values.shape[1])[None, :] == j[:, None]
-  if values.dtype == jnp.bool_:
-    return jnp.any(hit & values, axis=1)
-  return jnp.sum(jnp.where(hit, values, jnp.zeros((), values.dtype)), axis=1,
-                 dtype=values.dtype)
-
-
-def _count(mask: jax.Array) -> jax.Array:
-  return jnp.sum(mask.astype(jnp.int32))
 
 
 def _check_int(value: Any, name: str, low: int, high: int) -> int:
@@ -271,7 +217,7 @@ class IdTable:
     if self.eviction not in _EVICTIONS:
       raise ValueError(f'IdTable: eviction must be one of {_EVICTIONS}, got '
                        f'{self.eviction!r}.')
-    _check_int(self.admit_after, 'admit_after', 1, _COUNT_LIMIT)
+    _check_int(self.admit_after, 'admit_after', 1, id_assign.COUNT_LIMIT)
     if self.ttl is not None:
       _check_int(self.ttl, 'ttl', 0, 2 ** 26)
     _check_int(self.rounds, 'rounds', 1, 64)
@@ -383,23 +329,6 @@ class IdTable:
               f'{w.dtype}{list(w.shape)}: was the state made by another '
               'IdTable?')
 
-  def _homes(self, words: jax.Array) -> jax.Array:
-    """The first slot of each id's probe window: int32 `[N]`.
-
-    Windows do not wrap around: they start in `[0, capacity - probe]`, so
-    each is one contiguous slice of the state (a slice gather reads it
-    several times faster than `probe` separate indices).
-    """
-    return id_hashing.home_slots(words, self.capacity - self.probe + 1,
-                                 self.seed).astype(jnp.int32)
-
-  def _alive(self, window_words: jax.Array, window_seen: jax.Array,
-             now: jax.Array) -> jax.Array:
-    occupied = window_words[..., 0] != jnp.uint32(id_words.EMPTY_WORD)
-    if self.ttl is None:
-      return occupied
-    return occupied & (window_seen >= now - self.ttl)
-
   def find(self, state: IdTableState, raw_ids: Any) -> jax.Array:
     """The slots of live ids, `capacity` for absent ones; never inserts.
 
@@ -436,17 +365,53 @@ class IdTable:
     return _find_jit(self, state, words).reshape(shape)
 
   def _find(self, state: IdTableState, words: jax.Array) -> jax.Array:
-    valid = id_words.valid_words(words)
-    homes = self._homes(words)
-    win_words = _window(state.ids, homes, self.probe)
-    win_seen = _window(state.last_seen, homes, self.probe)
-    now = jnp.maximum(state.step, 0)
-    match = self._alive(win_words, win_seen, now) & (
-        win_words[..., 0] == words[:, None, 0]) & (
-            win_words[..., 1] == words[:, None, 1])
-    hit_j = _first(match)
-    found = valid & (hit_j < self.probe)
-    return jnp.where(found, homes + hit_j, self.capacity).astype(jnp.int32)
+    win = id_assign.probe_windows(self, state.ids, state.last_seen, words,
+                                  jnp.maximum(state.step, 0))
+    return jnp.where(win.found, win.hit_slot, self.capacity).astype(jnp.int32)
+
+  def export_changes(self, state: IdTableState, since_step: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ids whose rows changed since a step, their slots, and evicted ids.
+
+    For serving (see `lazy_optax._src.id_export`): runs on the host (NumPy)
+    over the whole state, so call it when exporting, not in the train step.
+    `since_step=s` covers the steps `s, s + 1, ..., state.step`; to export
+    incrementally, pass the previous export's `int(state.step) + 1`. Apply
+    the evicted ids first (delete), then the changed ones (upsert
+    `table[slot]`).
+
+    Args:
+      state: this table's state (sharded or not).
+      since_step: the first step to include (0 or less: everything).
+
+    Returns:
+      `(changed_ids, changed_slots, evicted_ids)`: int64 ids and int64
+      slots of the live ids assigned at a step `>= since_step` (ordered by
+      slot), and the sorted int64 ids that lost their row at a step
+      `>= since_step` and hold none now.
+
+    Raises:
+      TypeError: `state` is not this table's `IdTableState`, or
+        `since_step` is not an int.
+      ValueError: the eviction log overwrote evictions at or after
+        `since_step` (export more often, or give the `IdTable` a larger
+        `eviction_log`), so the evicted ids cannot all be listed.
+
+    Example:
+      >>> import numpy as np
+      >>> import lazy_optax
+      >>> t = lazy_optax.IdTable(capacity=2, probe=2)
+      >>> _, state, _ = t.assign(t.init(), np.array([10, 11]), step=0)
+      >>> _, state, _ = t.assign(state, np.array([12]), step=1)
+      >>> changed_ids, changed_slots, evicted = t.export_changes(
+      ...     state, since_step=1)
+      >>> changed_ids.tolist(), evicted.tolist()
+      ([12], [10])
+    """
+    where = 'IdTable.export_changes'
+    self._check_state(state, where)
+    since = id_export.check_since_step(since_step, where)
+    return id_export.changes(state, since, self.ttl, where)
 
   def stats(self, state: IdTableState) -> dict[str, int]:
     """The counters as Python ints (on the host): live ids and events.
@@ -534,256 +499,67 @@ class IdTable:
 
   def _assign(self, state: IdTableState, words: jax.Array, now: jax.Array
               ) -> tuple[jax.Array, IdTableState, FreshRows, jax.Array]:
-    c, n = self.capacity, words.shape[0]
-    prev = state.step
-    valid = id_words.valid_words(words)
-    position = lax.iota(jnp.int32, n)
-    homes = self._homes(words)
-    win_words = _window(state.ids, homes, self.probe)          # [n, P, 2]
-    win_seen = _window(state.last_seen, homes, self.probe)     # [n, P]
-    alive = self._alive(win_words, win_seen, now)
-    match = alive & (win_words[..., 0] == words[:, None, 0]) & (
-        win_words[..., 1] == words[:, None, 1])
-    hit_j = _first(match)                    # probe (a live id is there once)
-    found = valid & (hit_j < self.probe)
-    hit_slot = homes + hit_j
-    hit_seen = _pick(win_seen, hit_j)
-
-    # Ttl: ids last seen before now - ttl expire now; the wheel says how many.
-    wheel, expired_now, live = state.wheel, jnp.zeros((), jnp.int32), state.live
-    if self.ttl is not None:
-      w = self.ttl + 1
-      k = lax.iota(jnp.int32, w)
-      at_step = prev - jnp.mod(prev - k, w)
-      expiring = (at_step < now - self.ttl) & (prev >= 0)
-      expired_now = jnp.sum(jnp.where(expiring, wheel, 0))
-      wheel = jnp.where(expiring, 0, wheel)
-      live = live - expired_now
-
-    # Admission: the sketch counts lookups of ids without a row.
-    need = valid & ~found
-    sketch = state.sketch
-    admitted = need
-    if self.admit_after > 1:
-      depth, width = self._sketch_shape
-      cols = id_hashing.sketch_columns(words, depth, width, self.seed)
-      cols = jnp.where(need[None, :], cols, width)
-      rows = jnp.broadcast_to(lax.iota(jnp.int32, depth)[:, None], cols.shape)
-      sketch = sketch.at[rows, cols].add(1, mode='drop')
-      sketch = sketch.at[rows, cols].min(_COUNT_LIMIT, mode='drop')
-      seen = jnp.min(sketch.at[rows, cols].get(mode='fill', fill_value=0),
-                     axis=0)
-      admitted = need & (seen >= self.admit_after)
-
+    """The steps of the module doc, each a function of `id_assign`."""
+    c = self.capacity
+    # 1. Probe windows: each id's window, and the live ids found there.
+    win = id_assign.probe_windows(self, state.ids, state.last_seen, words,
+                                  now)
+    # 2. Expiry: under ttl, ids last seen before now - ttl expire now.
+    wheel, expired, live = id_assign.expire(self, state.wheel, state.live,
+                                            state.step, now)
+    # 3. Admission: the sketch counts lookups of ids without a row.
+    need = id_words.valid_words(words) & ~win.found
+    sketch, admitted = id_assign.admit(self, state.sketch, words, need)
     # Hits are seen now: no new id of this step may take their slots.
-    last_seen = state.last_seen.at[
-        _after(jnp.where(found, hit_slot, c), hit_seen, c)].set(
+    last_seen = state.last_seen.at[id_assign.after(
+        jnp.where(win.found, win.hit_slot, c), win.hit_seen, c)].set(
             now, mode='drop')
-
-    # Per window slot, the policy's preference (lower is better).
-    free = ~alive
-    if self.eviction == 'lfu':
-      win_counts = _window(state.counts, homes, self.probe)
-      score = jnp.where(free, -1, self._decayed(win_counts, win_seen, now))
-    else:
-      score = None
-
-    placed = jnp.full((n,), c, jnp.int32)
-    placed_j = jnp.zeros((n,), jnp.int32)
-    no_room = jnp.zeros((n,), bool)
-    blocked = jnp.zeros((n,), bool)     # a full window under 'none'
-    hi_key = ~words[:, 0]
-    lo_key = ~words[:, 1]
-
-    per_id = {'homes': homes, 'words': words, 'hi': hi_key, 'lo': lo_key,
-              'seen': win_seen, 'free': free}
-    if score is not None:
-      per_id['score'] = score
-
-    def round_on(tables, ids_in, pending_in):
-      """One claim round for the ids `ids_in` (all, or a compacted few)."""
-      ids_table, last_seen, claims = tables
-      homes_in = ids_in['homes']
-      seen_now = _window(last_seen, homes_in, self.probe)
-      untouched = seen_now < now
-      eligible = untouched
-      if self.eviction == 'none':
-        eligible = untouched & ids_in['free']
-      if self.eviction == 'lfu':
-        best = jnp.min(jnp.where(eligible, ids_in['score'], _BIG_STEP), axis=1)
-        eligible = eligible & (ids_in['score'] == best[:, None])
-      # Free slots are older than live ones (empty: EMPTY_STEP; expired:
-      # before now - ttl), so the least recently seen comes first.
-      oldest = jnp.where(eligible, ids_in['seen'], _BIG_STEP)
-      least = jnp.min(oldest, axis=1)
-      has = pending_in & (least < _BIG_STEP)
-      j = _first(oldest == least[:, None])
-      target = jnp.where(has, homes_in + j, c)
-      # The smallest id wins: the largest complement of its high word, then
-      # of its low word. The scratch is cleared where it was written.
-      hi, lo = ids_in['hi'], ids_in['lo']
-      claims = claims.at[target].max(hi, mode='drop')
-      won_high = has & (claims.at[target].get(mode='fill', fill_value=0)
-                        == hi)
-      second = jnp.where(won_high, target, c)
-      claims = claims.at[second].set(jnp.uint32(0), mode='drop')
-      claims = claims.at[second].max(lo, mode='drop')
-      won = won_high & (claims.at[second].get(mode='fill', fill_value=0)
-                        == lo)
-      winner = jnp.where(won, target, c)
-      claims = claims.at[winner].set(jnp.uint32(0), mode='drop')
-      ids_table = ids_table.at[winner].set(ids_in['words'], mode='drop')
-      last_seen = last_seen.at[winner].set(now, mode='drop')
-      stuck = pending_in & ~has
-      if self.eviction == 'none':
-        blocked_in = stuck & jnp.any(untouched & ~ids_in['free'], axis=1)
-      else:
-        blocked_in = jnp.zeros_like(stuck)
-      return (ids_table, last_seen, claims), (won, target, j, stuck,
-                                              blocked_in)
-
-    def merge(carry, tables, results):
-      _, placed, placed_j, pending, no_room, blocked = carry
-      won, target, j, stuck, blocked_in = results
-      return (tables, jnp.where(won, target, placed),
-              jnp.where(won, j, placed_j), pending & ~won & ~stuck,
-              no_room | stuck, blocked | blocked_in)
-
-    def full_round(carry):
-      tables, _, _, pending, _, _ = carry
-      new_tables, results = round_on(tables, per_id, pending)
-      return merge(carry, new_tables, results)
-
-    def compact_round(few, carry):
-      """A round for the pending ids compacted into `few` rows."""
-      tables, _, _, pending, _, _ = carry
-      rank = jnp.cumsum(pending.astype(jnp.int32)) - 1
-      sel = jnp.full((few,), n, jnp.int32).at[
-          jnp.where(pending, rank, few)].set(position, mode='drop')
-      ids_in = jax.tree.map(
-          lambda a: a.at[sel].get(mode='fill', fill_value=0), per_id)
-      new_tables, results = round_on(tables, ids_in, sel < n)
-      back = [jnp.zeros((n,), r.dtype).at[sel].set(r, mode='drop')
-              for r in results]
-      return merge(carry, new_tables, tuple(back))
-
-    def one_round(few, carry):
-      # The pending ids compacted into `few` rows when they fit (most ids of
-      # a batch are hits), all `n` rows when they do not: never a subset
-      # chosen by position, so the result does not depend on batch order.
-      left = _count(carry[3])
-      carry = lax.cond(left > few, full_round, lambda x: x, carry)
-      return lax.cond((left <= few) & (left > 0),
-                      functools.partial(compact_round, few), lambda x: x,
-                      carry)
-
-    carry = ((state.ids, last_seen, state.claims), placed, placed_j,
-             admitted, no_room, blocked)
-    # The first round: the batch's new ids (a share of it once the hot ids
-    # hold rows); later rounds: the few that lost a claim.
-    carry = one_round(min(n, max(32, n // 4)), carry)
-    if self.rounds > 1:
-      later = min(n, max(32, n // 16))
-      carry = lax.fori_loop(
-          1, self.rounds, lambda _, c: one_round(later, c), carry)
-    ((ids_table, last_seen, claims), placed, placed_j, pending, no_room,
-     blocked) = carry
-    no_room = no_room | pending          # lost every round
-
-    inserted_any = placed < c
-    slot = jnp.where(found, hit_slot, placed)
-    # One representative position per slot (the last one), for everything
-    # counted per id rather than per lookup.
-    key = (position + 1).astype(jnp.uint32)
-    claims = claims.at[slot].max(key, mode='drop')
-    rep = (slot < c) & (claims.at[slot].get(mode='fill', fill_value=0) == key)
-    claims = claims.at[jnp.where(rep, slot, c)].set(jnp.uint32(0), mode='drop')
-    inserted = rep & inserted_any
-    hit = rep & found
-    old_alive = _pick(alive, placed_j)
-    old_high = _pick(win_words[..., 0], placed_j)
-    old_occupied = old_high != jnp.uint32(id_words.EMPTY_WORD)
-    old_seen = _pick(win_seen, placed_j)
-    old_words = jnp.stack([old_high, _pick(win_words[..., 1], placed_j)],
-                          axis=-1)
-
-    counts = state.counts
-    if self.eviction == 'lfu':
-      hit_count = counts.at[hit_slot].get(mode='clip')
-      renewed = jnp.where(hit_seen < now,
-                          self._decayed(hit_count, hit_seen, now) + 1,
-                          hit_count)
-      value = jnp.where(found, jnp.minimum(renewed, _COUNT_LIMIT), 1)
-      counts = counts.at[jnp.where(rep, slot, c)].set(value, mode='drop')
-
-    if self.ttl is not None:
-      w = self.ttl + 1
-      moved = hit & (hit_seen < now)
-      evicted_live = inserted & old_alive
-      wheel = wheel.at[jnp.where(moved, jnp.mod(hit_seen, w), w)].add(
-          -1, mode='drop')
-      wheel = wheel.at[jnp.where(evicted_live, jnp.mod(old_seen, w), w)].add(
-          -1, mode='drop')
-      wheel = wheel.at[jnp.mod(now, w)].add(_count(moved | inserted))
-
-    live = live + _count(inserted & ~old_alive)
-
+    # 4. Claim rounds: admitted ids take free slots or the policy's victims.
+    claimed = id_assign.claim_rounds(self, state.ids, last_seen, state.claims,
+                                     state.counts, words, win, admitted, now)
+    # 5. Accounting, per slot (one representative position each).
+    slot = jnp.where(win.found, win.hit_slot, claimed.placed)
+    claims, rep = id_assign.representatives(claimed.claims, slot, c)
+    inserted = rep & (claimed.placed < c)
+    hit = rep & win.found
+    j = claimed.placed_j
+    old_alive = id_assign.pick(win.alive, j)
+    old_seen = id_assign.pick(win.seen, j)
+    old_words = jnp.stack([id_assign.pick(win.words[..., 0], j),
+                           id_assign.pick(win.words[..., 1], j)], axis=-1)
+    old_occupied = old_words[:, 0] != jnp.uint32(id_words.EMPTY_WORD)
+    counts = id_assign.renew_counts(self, state.counts, win, slot, rep, now)
+    wheel = id_assign.move_wheel(self, wheel, win, hit, inserted, old_alive,
+                                 old_seen, now)
+    live = live + id_assign.count(inserted & ~old_alive)
     # The eviction log: ids that lost their row (to a new owner here; under
     # ttl, an expired owner is logged at the step it expired).
-    log_ids, log_steps = state.log_ids, state.log_steps
-    log_next, log_lost = state.log_next, state.log_lost
-    record = inserted & old_occupied
-    evict_step = jnp.where(old_alive, now,
-                           old_seen + (0 if self.ttl is None else self.ttl + 1))
-    size = self._log_size
-    if size > 0:
-      total = _count(record)
-      rank = jnp.cumsum(record.astype(jnp.int32)) - 1
-      kept = record & (rank >= total - size)
-      entry = jnp.mod(log_next + rank, size)
-      target = jnp.where(kept, entry, size)
-      overwritten = log_steps.at[target].get(mode='fill', fill_value=-1)
-      target = _after(target, overwritten, size)
-      log_lost = jnp.maximum(log_lost, jnp.max(
-          jnp.where(kept, overwritten, -1), initial=-1))
-      log_lost = jnp.maximum(log_lost, jnp.max(
-          jnp.where(record & ~kept, evict_step, -1), initial=-1))
-      log_ids = log_ids.at[target].set(old_words, mode='drop')
-      log_steps = log_steps.at[target].set(evict_step, mode='drop')
-      log_next = jnp.mod(log_next + total, size)
-    else:
-      log_lost = jnp.maximum(log_lost, jnp.max(
-          jnp.where(record, evict_step, -1), initial=-1))
-
-    full = no_room & ~blocked
-    old = state.counters
-    counters = IdCounters(
-        admissions=_add64(old.admissions, _count(inserted)),
-        evictions=_add64(old.evictions, _count(inserted & old_alive)),
-        expirations=_add64(old.expirations, expired_now),
-        rejections=_add64(old.rejections, _count(blocked)),
-        overflows=_add64(old.overflows, _count(full)),
-        unadmitted=_add64(old.unadmitted, _count(need & ~admitted)))
+    evict_step = jnp.where(old_alive, now, old_seen + (
+        0 if self.ttl is None else self.ttl + 1))
+    log = id_assign.log_evictions(
+        id_assign.Log(state.log_ids, state.log_steps, state.log_next,
+                      state.log_lost),
+        inserted & old_occupied, old_words, evict_step)
+    full = claimed.no_room & ~claimed.blocked
+    counters = id_assign.add_events(state.counters, {
+        'admissions': id_assign.count(inserted),
+        'evictions': id_assign.count(inserted & old_alive),
+        'expirations': expired,
+        'rejections': id_assign.count(claimed.blocked),
+        'overflows': id_assign.count(full),
+        'unadmitted': id_assign.count(need & ~admitted)})
     new_state = IdTableState(
-        ids=ids_table, last_seen=last_seen, counts=counts, claims=claims,
-        sketch=sketch, wheel=wheel, log_ids=log_ids, log_steps=log_steps,
-        log_next=log_next, log_lost=log_lost, step=now, live=live,
-        counters=counters)
+        ids=claimed.ids, last_seen=claimed.last_seen, counts=counts,
+        claims=claims, sketch=sketch, wheel=wheel, log_ids=log.log_ids,
+        log_steps=log.log_steps, log_next=log.log_next,
+        log_lost=log.log_lost, step=now, live=live, counters=counters)
     # The state keeps its dtypes (under jax_enable_x64 scalar arithmetic
     # would otherwise widen some leaves to 64 bits).
     new_state = jax.tree.map(lambda new, old: new.astype(old.dtype),
                              new_state, state)
     slot = slot.astype(jnp.int32)
     fresh = FreshRows(jnp.where(inserted, slot, c).astype(jnp.int32), words)
-    return slot, new_state, fresh, _count(no_room)
-
-  def _decayed(self, count: jax.Array, seen: jax.Array,
-               now: jax.Array) -> jax.Array:
-    """`'lfu'` counts halved once per `lfu_period` boundary since `seen`."""
-    period = self.lfu_period
-    halvings = jnp.floor_divide(now, period) - jnp.floor_divide(
-        jnp.maximum(seen, 0), period)
-    return count >> jnp.clip(halvings, 0, 31)
+    return slot, new_state, fresh, id_assign.count(claimed.no_room)
 
 
 # Jitted with the (hashable, frozen) table static: one compiled program per
