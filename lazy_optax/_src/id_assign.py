@@ -204,9 +204,8 @@ def admit(table: Any, sketch: Optional[jax.Array], words: jax.Array,
     `(sketch, admitted)`: the updated sketch, and bool `[N]`: the ids of
     `need` seen at least `admit_after` times.
   """
-  if table.admit_after == 1:
+  if sketch is None:
     return sketch, need
-  assert sketch is not None
   depth, width = sketch.shape
   cols = id_hashing.sketch_columns(words, depth, width, table.seed)
   cols = jnp.where(need[None, :], cols, width)
@@ -451,8 +450,7 @@ def log_evictions(log: Log, record: jax.Array, old_words: jax.Array,
     (or no longer) in the ring.
   """
   log_lost = log.log_lost
-  if log.log_ids is None or log.log_steps is None or (
-      log.log_steps.shape[0] == 0):
+  if log.log_ids is None or log.log_steps is None:
     return log._replace(log_lost=jnp.maximum(log_lost, jnp.max(
         jnp.where(record, evict_step, -1), initial=-1)))
   size = log.log_steps.shape[0]

@@ -85,22 +85,25 @@ class IdTableState(NamedTuple):
   """The state of an `IdTable`: a pytree of fixed shapes.
 
   Save it with orbax alongside the parameters and the optimizer state, and
-  donate it to the jitted step (`assign` updates it in place).
+  donate it to the jitted step (`assign` updates it in place). The parts a
+  configuration does not use are `None` (an empty pytree node), never a
+  zero-size array, so every configuration checkpoints.
 
   Attributes:
     ids: `uint32[capacity, 2]`, the raw id words of each slot's owner;
       `0xFFFFFFFF` words for an empty slot.
     last_seen: `int32[capacity]`, the step its owner was last assigned.
-    counts: `int32[capacity]`, `'lfu'` counts (empty for other policies).
+    counts: `int32[capacity]`, `'lfu'` counts (None for other policies).
     claims: `uint32[capacity]`, scratch for resolving claims; all zero
       between calls.
-    sketch: `int32[depth, width]`, the admission count-min sketch (empty
+    sketch: `int32[depth, width]`, the admission count-min sketch (None
       when `admit_after == 1`).
     wheel: `int32[ttl + 1]`, live ids per last-seen step modulo `ttl + 1`
-      (empty without `ttl`).
-    log_ids: `uint32[eviction_log, 2]`, evicted ids (a ring).
+      (None without `ttl`).
+    log_ids: `uint32[eviction_log, 2]`, evicted ids (a ring; None when
+      `eviction_log=0`).
     log_steps: `int32[eviction_log]`, the step each logged id lost its row
-      (-1: unused entry).
+      (-1: unused entry; None when `eviction_log=0`).
     log_next: `int32[]`, the next ring entry to write.
     log_lost: `int32[]`, the latest eviction step among overwritten ring
       entries (-1: none), so `export_changes` knows what it cannot list.
@@ -235,9 +238,9 @@ class IdTable:
   # -- shapes -----------------------------------------------------------------
 
   @property
-  def _sketch_shape(self) -> tuple[int, int]:
+  def _sketch_shape(self) -> Optional[tuple[int, int]]:
     if self.admit_after == 1:
-      return (0, 0)
+      return None
     width = self.sketch_width or self.capacity
     return (self.sketch_depth, width)
 
@@ -248,21 +251,24 @@ class IdTable:
   def init(self) -> IdTableState:
     """An empty table's state (all slots free, counters zero).
 
+    Parts the configuration does not use are `None` (no zero-size arrays,
+    which orbax cannot save).
+
     Returns:
       An `IdTableState`.
     """
-    c = self.capacity
+    c, log, sketch = self.capacity, self._log_size, self._sketch_shape
     return IdTableState(
         ids=jnp.full((c, 2), id_words.EMPTY_WORD, jnp.uint32),
         last_seen=jnp.full((c,), EMPTY_STEP, jnp.int32),
-        counts=jnp.zeros((c if self.eviction == 'lfu' else 0,), jnp.int32),
+        counts=jnp.zeros((c,), jnp.int32) if self.eviction == 'lfu' else None,
         claims=jnp.zeros((c,), jnp.uint32),
-        sketch=jnp.zeros(self._sketch_shape, jnp.int32),
-        wheel=jnp.zeros((0 if self.ttl is None else self.ttl + 1,),
-                        jnp.int32),
-        log_ids=jnp.full((self._log_size, 2), id_words.EMPTY_WORD,
-                         jnp.uint32),
-        log_steps=jnp.full((self._log_size,), -1, jnp.int32),
+        sketch=None if sketch is None else jnp.zeros(sketch, jnp.int32),
+        wheel=None if self.ttl is None else jnp.zeros((self.ttl + 1,),
+                                                      jnp.int32),
+        log_ids=jnp.full((log, 2), id_words.EMPTY_WORD, jnp.uint32)
+        if log else None,
+        log_steps=jnp.full((log,), -1, jnp.int32) if log else None,
         log_next=jnp.zeros((), jnp.int32),
         log_lost=jnp.full((), -1, jnp.int32),
         step=jnp.full((), -1, jnp.int32),
@@ -296,15 +302,18 @@ class IdTable:
       return jax.sharding.NamedSharding(mesh, P(*parts))
 
     def split_if(size: int, *parts: Any) -> Any:
-      return spec(*parts) if size and size % devices == 0 else spec()
+      return spec(*parts) if size % devices == 0 else spec()
 
     whole = spec()
-    log = self._log_size
+    log, sketch = self._log_size, self._sketch_shape
     return IdTableState(
         ids=spec(axis), last_seen=spec(axis),
-        counts=spec(axis) if self.eviction == 'lfu' else whole,
-        claims=spec(axis), sketch=split_if(self._sketch_shape[1], None, axis),
-        wheel=whole, log_ids=split_if(log, axis), log_steps=split_if(log, axis),
+        counts=spec(axis) if self.eviction == 'lfu' else None,
+        claims=spec(axis),
+        sketch=None if sketch is None else split_if(sketch[1], None, axis),
+        wheel=None if self.ttl is None else whole,
+        log_ids=split_if(log, axis) if log else None,
+        log_steps=split_if(log, axis) if log else None,
         log_next=whole, log_lost=whole, step=whole, live=whole,
         counters=IdCounters(*([whole] * len(IdCounters._fields))))
 
@@ -320,6 +329,16 @@ class IdTable:
                       f'IdTable.init, got {type(state).__name__}.')
     expected = self._state_shapes
     for name, want, got in zip(IdTableState._fields, expected, state):
+      if (want is None) != (got is None):
+        made = 'no array' if want is None else 'an array'
+        hint = (' (zero-size arrays stood for unused parts before; they are '
+                'None now)' if want is None
+                and 0 in tuple(getattr(got, 'shape', ())) else '')
+        raise ValueError(
+            f'{where}: state.{name} is '
+            f'{"None" if got is None else "an array"}, but this IdTable '
+            f'({self}) makes {made}{hint}: was the state made by another '
+            'IdTable?')
       for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         if tuple(jnp.shape(g)) != tuple(w.shape) or jnp.result_type(
             g) != w.dtype:
