@@ -6,10 +6,11 @@ with 8 simulated CPU devices (XLA_FLAGS must be set before jax is imported):
     python3 tests/id_table_checkpoint_checks.py save DIR
     python3 tests/id_table_checkpoint_checks.py restore DIR
 
-`save` drives every configuration (eviction x admit_after x ttl, without an
-eviction log, and one state sharded over the 8 devices) through a few `assign`
-calls, saves all the states in one checkpoint with
-`orbax.checkpoint.StandardCheckpointer`, and writes each state's arrays to
+`save` drives every configuration (eviction x admit_after x ttl;
+admission 'always' where it drops the sketch; without an eviction log; one
+state sharded over the 8 devices) through a few `assign` calls, saves all
+the states in one checkpoint with `orbax.checkpoint.StandardCheckpointer`,
+and writes each state's arrays to
 a NumPy file. `restore` restores the checkpoint into the tables' `init()`
 structures (the sharded one with its shardings) and checks every leaf bit
 for bit against the saved arrays, and the shardings. Prints one JSON line:
@@ -51,6 +52,10 @@ def configs():
         admit_after=admit_after, ttl=ttl, lfu_period=2, rounds=1), False)
   out['lru-no-log'] = (lazy_optax.IdTable(capacity=CAP, probe=PROBE,
                                           eviction_log=0, rounds=1), False)
+  for eviction in ('lru', 'lfu'):   # no sketch: admission='always'
+    out[f'{eviction}-always'] = (lazy_optax.IdTable(
+        capacity=CAP, probe=PROBE, eviction=eviction, admission='always',
+        rounds=1), False)
   out['sharded-lfu-ttl'] = (lazy_optax.IdTable(
       capacity=CAP, probe=PROBE, eviction='lfu', ttl=3, admit_after=2,
       sketch_width=16), True)

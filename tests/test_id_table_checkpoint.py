@@ -1,4 +1,4 @@
-"""Every IdTable configuration checkpoints: orbax save, restore in a new process.
+"""Every IdTable configuration checkpoints: orbax save, restore elsewhere.
 
 One child process (8 simulated CPU devices) saves every configuration's
 state after a few steps, and a second, new one restores them all (one of
@@ -52,6 +52,7 @@ def test_every_combination_is_covered():
   assert len(combos) == 3 * 2 * 2
   assert any(sharded for _, sharded in tables)
   assert any(t.eviction_log == 0 for t, _ in tables)
+  assert {t.admission for t, _ in tables} == {'frequency', 'always'}
 
 
 @pytest.mark.parametrize('name', NAMES)

@@ -190,31 +190,57 @@ def expire(table: Any, wheel: Optional[jax.Array], live: jax.Array,
   return jnp.where(expiring, 0, wheel), expired, live - expired
 
 
+def estimate(table: Any, sketch: jax.Array, words: jax.Array) -> jax.Array:
+  """The sketch's count of each id (the minimum over its rows): int32 `[N]`."""
+  depth, width = sketch.shape
+  cols = id_hashing.sketch_columns(words, depth, width, table.seed)
+  rows = jnp.broadcast_to(lax.iota(jnp.int32, depth)[:, None], cols.shape)
+  return jnp.min(sketch.at[rows, cols].get(mode='fill', fill_value=0),
+                 axis=0)
+
+
 def admit(table: Any, sketch: Optional[jax.Array], words: jax.Array,
-          need: jax.Array) -> tuple[Optional[jax.Array], jax.Array]:
-  """Step 3: the sketch counts lookups of ids without a row; admit some.
+          valid: jax.Array, need: jax.Array, prev: jax.Array, now: jax.Array
+          ) -> tuple[Optional[jax.Array], jax.Array, Optional[jax.Array]]:
+  """Step 3: the sketch counts lookups; ids seen `admit_after` times get in.
+
+  Under `admission='frequency'` the sketch counts every lookup and is
+  halved at each `lfu_period` boundary (one pass over the sketch then);
+  under `'always'` it counts lookups of ids without a row, never decaying.
 
   Args:
     table: the `IdTable`.
-    sketch: the state's count-min sketch (None when `admit_after == 1`).
+    sketch: the state's count-min sketch (None when the table has none).
     words: the batch's `uint32[N, 2]` id words.
+    valid: bool `[N]`, valid ids.
     need: bool `[N]`, valid ids that hold no row.
+    prev: the state's step (-1 before any).
+    now: the step.
 
   Returns:
-    `(sketch, admitted)`: the updated sketch, and bool `[N]`: the ids of
-    `need` seen at least `admit_after` times.
+    `(sketch, admitted, counts)`: the updated sketch; bool `[N]`, the ids of
+    `need` seen at least `admit_after` times; and int32 `[N]`, each id's
+    count in the sketch (None without a sketch).
   """
   if sketch is None:
-    return sketch, need
+    return sketch, need, None
+  all_lookups = table.admission == 'frequency'
+  if all_lookups:
+    halvings = jnp.where(prev >= 0, jnp.floor_divide(
+        now, table.lfu_period) - jnp.floor_divide(prev, table.lfu_period), 0)
+    sketch = lax.cond(halvings > 0,
+                      lambda s: s >> jnp.clip(halvings, 0, 31),
+                      lambda s: s, sketch)
   depth, width = sketch.shape
   cols = id_hashing.sketch_columns(words, depth, width, table.seed)
-  cols = jnp.where(need[None, :], cols, width)
+  cols = jnp.where((valid if all_lookups else need)[None, :], cols, width)
   rows = jnp.broadcast_to(lax.iota(jnp.int32, depth)[:, None], cols.shape)
   sketch = sketch.at[rows, cols].add(1, mode='drop')
   sketch = sketch.at[rows, cols].min(COUNT_LIMIT, mode='drop')
-  seen = jnp.min(sketch.at[rows, cols].get(mode='fill', fill_value=0),
-                 axis=0)
-  return sketch, need & (seen >= table.admit_after)
+  seen = estimate(table, sketch, words)
+  if table.admit_after == 1:
+    return sketch, need, seen
+  return sketch, need & (seen >= table.admit_after), seen
 
 
 class Claims(NamedTuple):
@@ -229,6 +255,8 @@ class Claims(NamedTuple):
     pending: bool `[N]`, ids that lost every round.
     no_room: bool `[N]`, ids left without a slot (stuck or lost).
     blocked: bool `[N]`, ids refused by a full window under `'none'`.
+    declined: bool `[N]`, ids refused a live id's slot by the frequency
+      guard (`admission='frequency'`).
   """
   ids: jax.Array
   last_seen: jax.Array
@@ -238,19 +266,29 @@ class Claims(NamedTuple):
   pending: jax.Array
   no_room: jax.Array
   blocked: jax.Array
+  declined: jax.Array
+
+
+def guards(table: Any) -> bool:
+  """Whether a newcomer must be seen more often than its victim."""
+  return table.admission == 'frequency' and table.eviction != 'none'
 
 
 def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
                  claims: jax.Array, counts: Optional[jax.Array],
+                 sketch: Optional[jax.Array], seen: Optional[jax.Array],
                  words: jax.Array, win: Windows, admitted: jax.Array,
                  now: jax.Array) -> Claims:
   """Step 4: admitted ids claim slots in `table.rounds` rounds.
 
   In each round every unplaced id picks its best slot among those of its
   window not seen at this step (free first, then the policy's victim, ties
-  to the earlier slot); several ids picking one slot are resolved by id
-  value (the smallest wins) through a scatter-max into the claim scratch,
-  cleared where it was written. Losers try again in the next round.
+  to the earlier slot). Under `admission='frequency'` an id whose pick
+  holds a live id (a victim) takes it only when the sketch counts it more
+  often than the victim, else it is declined (no further round). Several
+  ids picking one slot are resolved by id value (the smallest wins) through
+  a scatter-max into the claim scratch, cleared where it was written.
+  Losers try again in the next round.
 
   Args:
     table: the `IdTable`.
@@ -258,6 +296,8 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
     last_seen: the state's last-seen steps, hits already marked at `now`.
     claims: the claim scratch (all zero).
     counts: the state's `'lfu'` counts (None for other policies).
+    sketch: the sketch after this step's counts (None without one).
+    seen: int32 `[N]`, each id's count in it (None without a sketch).
     words: the batch's `uint32[N, 2]` id words.
     win: the `Windows` of step 1.
     admitted: bool `[N]`, the ids that claim a slot.
@@ -276,6 +316,10 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
     win_counts = window(counts, win.homes, probe)
     per_id['score'] = jnp.where(
         free, -1, decayed(win_counts, win.seen, now, table.lfu_period))
+  guarded = guards(table)
+  if guarded:
+    assert sketch is not None and seen is not None
+    per_id['count'] = seen
 
   def round_on(tables, ids_in, pending_in):
     """One claim round for the ids `ids_in` (all, or a compacted few)."""
@@ -295,6 +339,18 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
     least = jnp.min(oldest, axis=1)
     has = pending_in & (least < BIG_STEP)
     j = first(oldest == least[:, None])
+    stuck = pending_in & ~has
+    if guarded:
+      # The victim's count, read from the slot's owner (untouched at this
+      # step, so the owner the window was read with).
+      victim = has & ~pick(ids_in['free'], j)
+      owner = ids_table.at[jnp.where(victim, homes_in + j, c)].get(
+          mode='fill', fill_value=id_words.EMPTY_WORD)
+      declined_in = victim & ~(ids_in['count'] > estimate(table, sketch,
+                                                          owner))
+      has = has & ~declined_in
+    else:
+      declined_in = jnp.zeros_like(has)
     target = jnp.where(has, homes_in + j, c)
     # The smallest id wins: the largest complement of its high word, then
     # of its low word. The scratch is cleared where it was written.
@@ -311,29 +367,29 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
     claims = claims.at[winner].set(jnp.uint32(0), mode='drop')
     ids_table = ids_table.at[winner].set(ids_in['words'], mode='drop')
     last_seen = last_seen.at[winner].set(now, mode='drop')
-    stuck = pending_in & ~has
     if table.eviction == 'none':
       blocked_in = stuck & jnp.any(untouched & ~ids_in['free'], axis=1)
     else:
       blocked_in = jnp.zeros_like(stuck)
     return (ids_table, last_seen, claims), (won, target, j, stuck,
-                                            blocked_in)
+                                            blocked_in, declined_in)
 
   def merge(carry, tables, results):
-    _, placed, placed_j, pending, no_room, blocked = carry
-    won, target, j, stuck, blocked_in = results
+    _, placed, placed_j, pending, no_room, blocked, declined = carry
+    won, target, j, stuck, blocked_in, declined_in = results
     return (tables, jnp.where(won, target, placed),
-            jnp.where(won, j, placed_j), pending & ~won & ~stuck,
-            no_room | stuck, blocked | blocked_in)
+            jnp.where(won, j, placed_j),
+            pending & ~won & ~stuck & ~declined_in, no_room | stuck,
+            blocked | blocked_in, declined | declined_in)
 
   def full_round(carry):
-    tables, _, _, pending, _, _ = carry
+    tables, _, _, pending, _, _, _ = carry
     new_tables, results = round_on(tables, per_id, pending)
     return merge(carry, new_tables, results)
 
   def compact_round(few, carry):
     """A round for the pending ids compacted into `few` rows."""
-    tables, _, _, pending, _, _ = carry
+    tables, _, _, pending, _, _, _ = carry
     rank = jnp.cumsum(pending.astype(jnp.int32)) - 1
     sel = jnp.full((few,), n, jnp.int32).at[
         jnp.where(pending, rank, few)].set(position, mode='drop')
@@ -356,7 +412,7 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
 
   carry = ((ids, last_seen, claims), jnp.full((n,), c, jnp.int32),
            jnp.zeros((n,), jnp.int32), admitted, jnp.zeros((n,), bool),
-           jnp.zeros((n,), bool))
+           jnp.zeros((n,), bool), jnp.zeros((n,), bool))
   # The first round: the batch's new ids (a share of it once the hot ids
   # hold rows); later rounds: the few that lost a claim.
   carry = one_round(min(n, max(32, n // 4)), carry)
@@ -365,9 +421,9 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
     carry = lax.fori_loop(
         1, table.rounds, lambda _, c: one_round(later, c), carry)
   ((ids, last_seen, claims), placed, placed_j, pending, no_room,
-   blocked) = carry
+   blocked, declined) = carry
   return Claims(ids, last_seen, claims, placed, placed_j, pending,
-                no_room | pending, blocked)
+                no_room | pending, blocked, declined)
 
 
 def representatives(claims: jax.Array, slot: jax.Array, capacity: int

@@ -18,15 +18,20 @@ How `assign` places a batch (all steps batch-sized):
 2. An id found live in its window is a hit: its slot is marked seen at this
    step, so no new id of the same step can take it.
 3. A missing id is admitted once the sketch has counted it `admit_after`
-   times (the sketch counts every lookup of an id that holds no row).
+   times (under `admission='frequency'` the sketch counts every lookup and
+   is halved every `lfu_period` steps; under `'always'` it counts the
+   lookups of ids that hold no row).
 4. Admitted ids claim slots in a fixed number of rounds (`rounds`). In each
    round every unplaced id picks its best slot among those of its window not
    seen at this step: free slots (empty, or expired under `ttl`) first, then
    the policy's victim (`'lru'`: the least recently seen; `'lfu'`: the
    lowest decayed count, then the least recently seen; `'none'`: no victim).
-   Ties go to the earlier slot of the window. Several ids picking one slot
-   are resolved by id value (the smallest id wins) through a scatter-max
-   into a per-slot scratch that is zero again after every round, so the
+   Ties go to the earlier slot of the window. Under `admission='frequency'`
+   (the default) an id takes a victim's slot only when the sketch counts it
+   more often than the victim (TinyLFU); else it is declined: no row at this
+   step, no further round. Several ids picking one slot are resolved by id
+   value (the smallest id wins) through a scatter-max into a per-slot scratch
+   that is zero again after every round, so the
    result depends on the set of ids only: any batch order and any device
    count give the same mapping. Losers try again in the next round.
 5. Ids left without a slot (their whole window seen at this step, rounds
@@ -53,6 +58,7 @@ from lazy_optax._src import id_words
 from lazy_optax._src import sharding as _sharding
 
 _EVICTIONS = ('lru', 'lfu', 'none')
+_ADMISSIONS = ('frequency', 'always')
 _MAX_CAPACITY = 2 ** 31 - 2          # capacity itself must fit int32
 EMPTY_STEP = -(2 ** 30)              # last_seen of a never-used slot
 
@@ -72,6 +78,8 @@ class IdCounters(NamedTuple):
     overflows: lookups that got no row because every slot of their probe
       window was taken by ids of the same step (or they lost every round).
     unadmitted: lookups of ids not yet seen `admit_after` times.
+    declined: lookups refused the slot of a live id that the sketch counts
+      as often or more (`admission='frequency'`).
   """
   admissions: jax.Array
   evictions: jax.Array
@@ -79,6 +87,7 @@ class IdCounters(NamedTuple):
   rejections: jax.Array
   overflows: jax.Array
   unadmitted: jax.Array
+  declined: jax.Array
 
 
 class IdTableState(NamedTuple):
@@ -96,8 +105,8 @@ class IdTableState(NamedTuple):
     counts: `int32[capacity]`, `'lfu'` counts (None for other policies).
     claims: `uint32[capacity]`, scratch for resolving claims; all zero
       between calls.
-    sketch: `int32[depth, width]`, the admission count-min sketch (None
-      when `admit_after == 1`).
+    sketch: `int32[depth, width]`, the count-min sketch of lookups (None
+      when `admit_after == 1` and nothing is frequency-guarded).
     wheel: `int32[ttl + 1]`, live ids per last-seen step modulo `ttl + 1`
       (None without `ttl`).
     log_ids: `uint32[eviction_log, 2]`, evicted ids (a ring; None when
@@ -170,6 +179,12 @@ class IdTable:
     eviction: `'lru'` (the least recently seen id of the window gives way),
       `'lfu'` (the lowest count, halved every `lfu_period` steps, then the
       least recently seen), or `'none'` (a full window rejects the new id).
+    admission: `'frequency'` (a new id takes the victim's slot only when
+      the count-min sketch has seen it more often than the victim, counts
+      halved every `lfu_period` steps: ids that keep coming back are not
+      pushed out by rarer ones) or `'always'` (the victim always gives way:
+      the behaviour before `admission` existed). Listed last, after
+      `checked`, so positional arguments keep their meaning.
     admit_after: an id gets a row once it was looked up this many times (a
       count-min sketch of `sketch_depth x sketch_width` counts); 1 admits at
       once.
@@ -178,9 +193,12 @@ class IdTable:
       `4 * (ttl + 1)` bytes and `O(ttl)` element-wise work per step.
     rounds: claim rounds per `assign` (a fixed number; more rounds place
       more of the ids that collide on one slot within a step).
-    lfu_period: steps per halving of the `'lfu'` counts.
+    lfu_period: steps per halving of the `'lfu'` counts (and of the sketch
+      under `admission='frequency'`).
     sketch_depth: rows of the admission sketch.
-    sketch_width: columns of the admission sketch (default `capacity`).
+    sketch_width: columns of the admission sketch (default `capacity`); the
+      table holds a sketch when `admit_after > 1` or under
+      `admission='frequency'` with a victim policy.
     eviction_log: entries of the ring of evicted ids read by
       `export_changes` (default `capacity`; 0 for none).
     seed: salt of the hashes (fixed for the life of a table).
@@ -212,6 +230,7 @@ class IdTable:
   eviction_log: Optional[int] = None
   seed: int = 0
   checked: bool = False
+  admission: str = 'frequency'
 
   def __post_init__(self):
     _check_int(self.capacity, 'capacity', 1, _MAX_CAPACITY)
@@ -220,6 +239,9 @@ class IdTable:
     if self.eviction not in _EVICTIONS:
       raise ValueError(f'IdTable: eviction must be one of {_EVICTIONS}, got '
                        f'{self.eviction!r}.')
+    if self.admission not in _ADMISSIONS:
+      raise ValueError(f'IdTable: admission must be one of {_ADMISSIONS}, '
+                       f'got {self.admission!r}.')
     _check_int(self.admit_after, 'admit_after', 1, id_assign.COUNT_LIMIT)
     if self.ttl is not None:
       _check_int(self.ttl, 'ttl', 0, 2 ** 26)
@@ -239,7 +261,7 @@ class IdTable:
 
   @property
   def _sketch_shape(self) -> Optional[tuple[int, int]]:
-    if self.admit_after == 1:
+    if self.admit_after == 1 and not id_assign.guards(self):
       return None
     width = self.sketch_width or self.capacity
     return (self.sketch_depth, width)
@@ -419,7 +441,7 @@ class IdTable:
     Example:
       >>> import numpy as np
       >>> import lazy_optax
-      >>> t = lazy_optax.IdTable(capacity=2, probe=2)
+      >>> t = lazy_optax.IdTable(capacity=2, probe=2, admission='always')
       >>> _, state, _ = t.assign(t.init(), np.array([10, 11]), step=0)
       >>> _, state, _ = t.assign(state, np.array([12]), step=1)
       >>> changed_ids, changed_slots, evicted = t.export_changes(
@@ -527,15 +549,18 @@ class IdTable:
     wheel, expired, live = id_assign.expire(self, state.wheel, state.live,
                                             state.step, now)
     # 3. Admission: the sketch counts lookups of ids without a row.
-    need = id_words.valid_words(words) & ~win.found
-    sketch, admitted = id_assign.admit(self, state.sketch, words, need)
+    valid = id_words.valid_words(words)
+    need = valid & ~win.found
+    sketch, admitted, seen = id_assign.admit(self, state.sketch, words, valid,
+                                             need, state.step, now)
     # Hits are seen now: no new id of this step may take their slots.
     last_seen = state.last_seen.at[id_assign.after(
         jnp.where(win.found, win.hit_slot, c), win.hit_seen, c)].set(
             now, mode='drop')
     # 4. Claim rounds: admitted ids take free slots or the policy's victims.
     claimed = id_assign.claim_rounds(self, state.ids, last_seen, state.claims,
-                                     state.counts, words, win, admitted, now)
+                                     state.counts, sketch, seen, words, win,
+                                     admitted, now)
     # 5. Accounting, per slot (one representative position each).
     slot = jnp.where(win.found, win.hit_slot, claimed.placed)
     claims, rep = id_assign.representatives(claimed.claims, slot, c)
@@ -566,7 +591,8 @@ class IdTable:
         'expirations': expired,
         'rejections': id_assign.count(claimed.blocked),
         'overflows': id_assign.count(full),
-        'unadmitted': id_assign.count(need & ~admitted)})
+        'unadmitted': id_assign.count(need & ~admitted),
+        'declined': id_assign.count(claimed.declined)})
     new_state = IdTableState(
         ids=claimed.ids, last_seen=claimed.last_seen, counts=counts,
         claims=claims, sketch=sketch, wheel=wheel, log_ids=log.log_ids,
