@@ -5,7 +5,7 @@ The top level holds the core (`SparseRows`, `lazy`, `apply_updates`,
 `lookup`, `lookup_bag`, `value_and_grad`), the optimizers with their
 `scale_by_*` transformations and states, `kernel_status` and
 `explain_update` (which row-update implementation runs, and why), and the
-hashed id tables (`IdTable`, `reset_rows`, `export_changes`, `split_ids`).
+hashed id tables (`IdTable`, `reset_rows`, `split_ids`).
 The rest lives in submodules, one concept each: `lazy_optax.tree`
 (gradient-tree arithmetic, paths and labels), `lazy_optax.checks` (the
 checked mode), `lazy_optax.sharding` (row-sharded optimizer state),
@@ -51,7 +51,7 @@ from lazy_optax._src.sparse_rows import SparseRows
 
 # isort: split
 # Hashed ids: collision-free tables for unbounded id spaces.
-from lazy_optax._src.id_export import export_changes
+from lazy_optax._src.id_export import export_changes  # noqa: F401  (deprecated)
 from lazy_optax._src.id_table import FreshRows
 from lazy_optax._src.id_table import IdCounters
 from lazy_optax._src.id_table import IdTable
@@ -95,7 +95,6 @@ __all__ = (
     'IdCounters',
     'FreshRows',
     'reset_rows',
-    'export_changes',
     'split_ids',
 )
 

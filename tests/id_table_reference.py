@@ -8,10 +8,15 @@ a full scan of the table where convenient (it is a model, not fast):
 * an id is live while `step - last_seen <= ttl`; a live id found in its
   window keeps its slot and is marked seen;
 * a missing id is admitted once a count-min sketch of its lookups reaches
-  `admit_after`;
+  `admit_after` (under `admission='frequency'` the sketch counts every
+  lookup and is halved at each `lfu_period` boundary; under `'always'` it
+  counts lookups of ids without a row and never decays);
 * in each of `rounds` rounds every unplaced admitted id picks, among the
   window slots not seen at this step, the free ones first, then the
-  policy's victim, ties to the earlier slot; the smallest id wins a slot
+  policy's victim, ties to the earlier slot; under
+  `admission='frequency'` an id whose pick holds a live id takes it only
+  when the sketch counts it more often than that id, else it is declined
+  (no row this step, no further round); the smallest id wins a slot
   several pick; the rest try again;
 * counters, the live count and the evicted ids follow from the events.
 """
@@ -47,8 +52,11 @@ class IdTableModel:
 
   def __init__(self, capacity, probe=16, eviction='lru', admit_after=1,
                ttl=None, rounds=4, lfu_period=1000, sketch_depth=2,
-               sketch_width=None, seed=0):
+               sketch_width=None, seed=0, admission='frequency'):
     self.c, self.p, self.eviction = capacity, probe, eviction
+    self.frequency = admission == 'frequency' and eviction != 'none'
+    self.all_lookups = admission == 'frequency'
+    self.has_sketch = admit_after > 1 or self.frequency
     self.admit_after, self.ttl, self.rounds = admit_after, ttl, rounds
     self.lfu_period, self.seed = lfu_period, seed
     self.depth = sketch_depth
@@ -59,7 +67,7 @@ class IdTableModel:
     self.sketch = np.zeros((self.depth, self.width), np.int64)
     self.step = -1
     self.counters = dict(admissions=0, evictions=0, expirations=0,
-                         rejections=0, overflows=0, unadmitted=0)
+                         rejections=0, overflows=0, unadmitted=0, declined=0)
     self.evicted_at: list[tuple[int, int]] = []   # (id, step it lost its row)
 
   # -- helpers ---------------------------------------------------------------
@@ -80,6 +88,9 @@ class IdTableModel:
   def decayed(self, count, seen, now):
     halvings = now // self.lfu_period - max(seen, 0) // self.lfu_period
     return count >> min(max(halvings, 0), 31)
+
+  def estimate(self, raw):
+    return min(self.sketch[d, col] for d, col in enumerate(self.columns(raw)))
 
   def live(self):
     return sum(self.alive(s, self.step) for s in range(self.c))
@@ -116,14 +127,16 @@ class IdTableModel:
           found[x] = s
     need = [x for x in raw_ids if x >= 0 and x not in found]
     admitted = set()
-    if self.admit_after > 1:
-      for x in need:
+    if self.has_sketch:
+      if self.all_lookups and prev >= 0:
+        halvings = now // self.lfu_period - prev // self.lfu_period
+        self.sketch >>= min(max(halvings, 0), 31)
+      counted = [x for x in raw_ids if x >= 0] if self.all_lookups else need
+      for x in counted:
         for d, col in enumerate(self.columns(x)):
           self.sketch[d, col] = min(self.sketch[d, col] + 1, COUNT_LIMIT)
-      for x in set(need):
-        if min(self.sketch[d, col] for d, col in enumerate(
-            self.columns(x))) >= self.admit_after:
-          admitted.add(x)
+    if self.admit_after > 1:
+      admitted = {x for x in need if self.estimate(x) >= self.admit_after}
     else:
       admitted = set(need)
     self.counters['unadmitted'] += sum(x not in admitted for x in need)
@@ -140,7 +153,7 @@ class IdTableModel:
         return -1
       return self.decayed(self.counts[s], old_seen[s], now)
 
-    placed, stuck, blocked = {}, set(), set()
+    placed, stuck, blocked, declined = {}, set(), set(), set()
     pending = sorted(admitted)
     for _ in range(self.rounds):
       if not pending:
@@ -163,6 +176,10 @@ class IdTableModel:
           eligible = [s for s in eligible if score(s) == best]
         least = min(old_seen[s] for s in eligible)
         choice = min(s for s in eligible if old_seen[s] == least)
+        if self.frequency and old_alive[choice] and not (
+            self.estimate(x) > self.estimate(old_ids[choice])):
+          declined.add(x)
+          continue
         claims.setdefault(choice, []).append(x)
       for s, xs in claims.items():
         x = min(xs)
@@ -171,7 +188,8 @@ class IdTableModel:
         self.last_seen[s] = now
         if self.eviction == 'lfu':
           self.counts[s] = 1
-      pending = [x for x in pending if x not in placed and x not in stuck]
+      pending = [x for x in pending
+                 if x not in placed and x not in stuck and x not in declined]
     stuck |= set(pending)
     for x, s in placed.items():
       self.counters['admissions'] += 1
@@ -182,6 +200,8 @@ class IdTableModel:
         else:
           self.evicted_at.append((old_ids[s], old_seen[s] + self.ttl + 1))
     for x in raw_ids:
+      if x in declined:
+        self.counters['declined'] += 1
       if x in stuck:
         if x in blocked:
           self.counters['rejections'] += 1

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import warnings
 
+import numpy as np
 import pytest
 
 import lazy_optax
@@ -80,7 +81,7 @@ def test_old_names_are_not_public_and_new_names_are():
     module, _, name = new.rpartition('.')
     assert name in importlib.import_module(module).__all__, new
   assert set(CORE) <= set(lazy_optax.__all__)
-  assert len(lazy_optax.__all__) == len(set(lazy_optax.__all__)) == 31
+  assert len(lazy_optax.__all__) == len(set(lazy_optax.__all__)) == 30
 
 
 def test_unknown_name_is_an_attribute_error_without_warning():
@@ -102,3 +103,19 @@ def test_importing_and_using_the_new_names_does_not_warn():
       [sys.executable, '-W', 'error::DeprecationWarning', '-c', code],
       capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def test_export_changes_function_warns_and_agrees_with_the_method():
+  table = lazy_optax.IdTable(capacity=8, probe=4, ttl=2)
+  state = table.init()
+  for k, ids in enumerate([[1, 2, 3], [4, 5], [6, 7, 8, 9]]):
+    _, state, _ = table.assign(state, np.array(ids), step=3 * k)
+  with pytest.warns(DeprecationWarning) as caught:
+    old = lazy_optax.export_changes(state, since_step=1)
+  assert len(caught) == 1 and caught[0].filename == __file__
+  assert 'use lazy_optax.IdTable.export_changes.' in str(caught[0].message)
+  new = table.export_changes(state, since_step=1)
+  for a, b in zip(old, new):
+    np.testing.assert_array_equal(a, b)
+  # Ids 1 to 3 expired (ttl=2) at step 3: they are listed as evicted.
+  assert {1, 2, 3} <= set(new[2].tolist())

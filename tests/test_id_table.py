@@ -47,6 +47,10 @@ CONFIGS = {
     'none': (dict(capacity=20, probe=3, eviction='none'), 12),
     'ttl': (dict(capacity=24, probe=5, ttl=3), 12),
     'admit': (dict(capacity=24, probe=4, admit_after=2, sketch_width=16), 12),
+    # The eviction of any live victim, without the frequency guard.
+    'lru_always': (dict(capacity=24, probe=4, admission='always'), 12),
+    'lfu_always_ttl': (dict(capacity=24, probe=4, eviction='lfu',
+                            admission='always', ttl=3, lfu_period=3), 12),
     # One window for all ids: claims collide, more than `few` ids are left
     # after the first round, so the later rounds take every row.
     'crowded': (dict(capacity=16, probe=16, rounds=3), 64),
@@ -55,7 +59,8 @@ CONFIGS = {
 }
 LOG = 4096
 # One small table and batch shape for the eager tests: one compiled assign.
-T8 = lazy_optax.IdTable(capacity=8, probe=4, eviction_log=3)
+T8 = lazy_optax.IdTable(capacity=8, probe=4, eviction_log=3,
+                        admission='always')
 
 
 @functools.cache
@@ -137,7 +142,7 @@ def test_assign_follows_the_model(name, data):
         np.asarray(find(state, lazy_optax.split_ids(probe_ids))),
         [model.find(int(x)) for x in probe_ids])
     since = int(rng.integers(0, step + 2))
-    changed_ids, changed_slots, evicted = lazy_optax.export_changes(
+    changed_ids, changed_slots, evicted = table.export_changes(
         state, since_step=since)
     want_changed, want_evicted = model.export(since)
     assert dict(zip(changed_slots.tolist(), changed_ids.tolist())) == (
@@ -229,9 +234,9 @@ def test_eviction_log_overflow_is_refused_not_guessed():
     _, state, _ = table.assign(state, np.arange(4 * k, 4 * k + 4), step=k)
   assert table.stats(state)['evictions'] > 3
   with pytest.raises(ValueError, match='eviction_log'):
-    lazy_optax.export_changes(state, since_step=1)
+    table.export_changes(state, since_step=1)
   # A window with no evictions yet is exact.
-  changed, _, evicted = lazy_optax.export_changes(state, since_step=4)
+  changed, _, evicted = table.export_changes(state, since_step=4)
   assert changed.tolist() == evicted.tolist() == []
 
 
@@ -340,7 +345,9 @@ def test_bad_steps_and_states():
   with pytest.raises(TypeError, match='IdTableState'):
     table.find({'ids': 1}, np.array([1]))
   with pytest.raises(TypeError, match='IdTableState'):
-    lazy_optax.export_changes({'ids': 1}, since_step=0)
+    table.export_changes({'ids': 1}, since_step=0)
+  with pytest.raises(TypeError, match='since_step must be an int'):
+    table.export_changes(table.init(), since_step=1.0)
 
 
 def test_sharded_over_8_devices_equals_one_device():
@@ -356,7 +363,10 @@ def test_sharded_over_8_devices_equals_one_device():
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
   out = json.loads(proc.stdout.strip().splitlines()[-1])
   for run in out.values():
-    assert run['stats']['evictions'] > 0 and run['stats']['expirations'] > 0
+    # Victims were met (evicted, or kept by the frequency guard), ids expired.
+    stats = run['stats']
+    assert stats['evictions'] + stats['declined'] > 0, stats
+    assert stats['expirations'] > 0, stats
 
 
 def test_every_python_block_of_the_guide_runs_in_order():
@@ -372,6 +382,37 @@ def test_every_python_block_of_the_guide_runs_in_order():
   assert namespace['traces'] == 1
   assert namespace['item_ids'].stats(namespace['item_state'])['live'] == 320
   stats = namespace['table_ids'].stats(namespace['id_state'])
-  assert stats['admissions'] == 20 * 64 > stats['live']
+  # Ids that never recur: once windows fill, newcomers are declined (the
+  # frequency guard) or find their window taken at this step.
+  assert stats['admissions'] + stats['declined'] + stats['overflows'] == (
+      20 * 64)
+  assert stats['declined'] > 0 and stats['admissions'] > stats['live'] / 2
   assert stats['live'] + stats['evictions'] == stats['admissions']
   assert 0 < len(namespace['changed_ids']) <= 10 * 64
+
+
+def test_the_default_keeps_recurring_ids_instead_of_thrashing():
+  # A closed catalogue (every id recurs) at half the table's capacity:
+  # without the frequency guard every newcomer evicts someone.
+  rng = np.random.default_rng(0)
+  ids = rng.choice(2 ** 62, 400, replace=False).astype(np.int64)
+  p = np.arange(1, 401) ** -0.8
+  stream = ids[rng.choice(400, (300, 64), p=p / p.sum())]
+  words = lazy_optax.split_ids(stream)
+  seen, counts = np.unique(stream, return_counts=True)
+  hot = seen[np.argsort(-counts, kind='stable')[:50]]   # counted in NumPy
+  out = {}
+  for admission in ('frequency', 'always'):
+    table = lazy_optax.IdTable(capacity=200, probe=16, admission=admission,
+                               eviction_log=0)
+    assign = jax.jit(lambda s, w, k, t=table: t.assign(s, w, step=k))
+    state = table.init()
+    for k in range(len(stream)):
+      _, state, _ = assign(state, words[k], k)
+    out[admission] = table.stats(state)
+    out[admission]['hot'] = float(np.mean(
+        np.asarray(table.find(state, hot)) < 200))
+  assert lazy_optax.IdTable(capacity=32).admission == 'frequency'
+  assert out['frequency']['evictions'] * 10 < out['always']['evictions']
+  assert out['frequency']['declined'] > 0 == out['always']['declined']
+  assert out['frequency']['hot'] >= 0.9

@@ -65,7 +65,9 @@ def test_1000_steps_equal_the_float64_model_of_policy_and_rule():
   steps = 1000
   ids, targets = _stream(steps)
   assert len(np.unique(ids)) > 3 * CAP
-  table_ids = lazy_optax.IdTable(capacity=CAP, probe=PROBE, eviction_log=0)
+  # Eviction of any victim (admission='always'): many evictions and returns.
+  table_ids = lazy_optax.IdTable(capacity=CAP, probe=PROBE, eviction_log=0,
+                                 admission='always')
   tx = lazy_optax.lazy_adam(LR)
   step = _make_step(table_ids, tx)
   params = {'emb': jnp.zeros((CAP, D), jnp.float32)}
@@ -79,7 +81,7 @@ def test_1000_steps_equal_the_float64_model_of_policy_and_rule():
       jnp.float32, 'emb'), np.float64)
   start = dict(zip(distinct.tolist(), rows0))
 
-  model = IdTableModel(capacity=CAP, probe=PROBE)
+  model = IdTableModel(capacity=CAP, probe=PROBE, admission='always')
   adam = TFLazyAdam(np.zeros((CAP, D)), lr=LR)
   words = lazy_optax.split_ids(ids)
   admitted_twice = 0
@@ -108,7 +110,7 @@ def test_1000_steps_equal_the_float64_model_of_policy_and_rule():
 
 
 def test_a_returning_evicted_id_starts_fresh():
-  table_ids = lazy_optax.IdTable(capacity=4, probe=4)
+  table_ids = lazy_optax.IdTable(capacity=4, probe=4, admission='always')
   tx = lazy_optax.lazy_adam(0.1)
   step = _make_step(table_ids, tx)
   params = {'emb': jnp.zeros((4, D), jnp.float32)}
@@ -294,6 +296,6 @@ def test_orbax_resume_continues_bit_for_bit(tmp_path):
                  restored['id_state']), range(12, 24))
   jax.tree.map(np.testing.assert_array_equal, straight, resumed)
   assert isinstance(restored['id_state'], lazy_optax.IdTableState)
-  changed_ids, _, _ = lazy_optax.export_changes(resumed[2], since_step=20)
+  changed_ids, _, _ = table_ids.export_changes(resumed[2], since_step=20)
   assert set(changed_ids.tolist()) <= set(ids[20:].ravel().tolist())
   assert id_words.join_words(np.asarray(resumed[2].ids)).shape == (CAP,)

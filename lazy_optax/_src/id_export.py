@@ -19,70 +19,47 @@ of `table[slot]`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
+import warnings
 
 import numpy as np
 
+from lazy_optax._src import deprecations
 from lazy_optax._src import id_words
-from lazy_optax._src.id_table import IdTableState
 
 
-def export_changes(id_state: IdTableState, since_step: int
-                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Ids whose rows changed since a step, their slots, and evicted ids.
-
-  Runs on the host (NumPy) over the whole state: call it when exporting to
-  serving, not in the train step. `since_step=s` covers the steps `s, s + 1,
-  ..., id_state.step`; to export incrementally, pass the previous export's
-  `int(id_state.step) + 1`.
-
-  Args:
-    id_state: an `IdTableState` (sharded or not).
-    since_step: the first step to include (0 or less: everything).
-
-  Returns:
-    `(changed_ids, changed_slots, evicted_ids)`: int64 ids and int64 slots of
-    the live ids assigned at a step `>= since_step` (ordered by slot), and
-    the sorted int64 ids that lost their row at a step `>= since_step` and
-    hold none now.
-
-  Raises:
-    TypeError: `id_state` is not an `IdTableState`.
-    ValueError: the eviction log overwrote evictions at or after
-      `since_step` (export more often, or give the `IdTable` a larger
-      `eviction_log`), so the evicted ids cannot all be listed.
-
-  Example:
-    >>> import numpy as np
-    >>> import lazy_optax
-    >>> t = lazy_optax.IdTable(capacity=2, probe=2)
-    >>> _, state, _ = t.assign(t.init(), np.array([10, 11]), step=0)
-    >>> _, state, _ = t.assign(state, np.array([12]), step=1)
-    >>> changed_ids, changed_slots, evicted = lazy_optax.export_changes(
-    ...     state, since_step=1)
-    >>> changed_ids.tolist(), evicted.tolist()
-    ([12], [10])
-  """
-  if not isinstance(id_state, IdTableState):
-    raise TypeError('export_changes: id_state must be an IdTableState, got '
-                    f'{type(id_state).__name__}.')
+def check_since_step(since_step: Any, where: str) -> int:
+  """`since_step` as an int, or a TypeError naming it."""
   if isinstance(since_step, bool) or not isinstance(since_step,
                                                     (int, np.integer)):
-    raise TypeError('export_changes: since_step must be an int, got '
+    raise TypeError(f'{where}: since_step must be an int, got '
                     f'{since_step!r}.')
-  since = int(since_step)
+  return int(since_step)
+
+
+def changes(id_state: Any, since: int, ttl: Optional[int], where: str
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """The host scan behind `IdTable.export_changes` (see its docstring).
+
+  Args:
+    id_state: an `IdTableState` whose shapes were checked by the caller.
+    since: the first step to include.
+    ttl: the table's `ttl`.
+    where: the caller's name, for errors.
+
+  Returns:
+    `(changed_ids, changed_slots, evicted_ids)`.
+  """
   now = int(np.asarray(id_state.step))
   lost = int(np.asarray(id_state.log_lost))
   if lost >= since:
     raise ValueError(
-        f'export_changes: ids evicted at step {lost} (>= since_step={since}) '
+        f'{where}: ids evicted at step {lost} (>= since_step={since}) '
         'were overwritten in the eviction log before this export, so the '
         'evicted ids cannot all be listed. Export more often, or give the '
         'IdTable a larger eviction_log.')
   words = np.asarray(id_state.ids)
   last_seen = np.asarray(id_state.last_seen).astype(np.int64)
-  wheel_size = int(np.asarray(id_state.wheel).shape[0])
-  ttl = wheel_size - 1 if wheel_size else None
   occupied = words[:, 0] != id_words.EMPTY_WORD
   alive = occupied.copy()
   if ttl is not None:
@@ -91,14 +68,60 @@ def export_changes(id_state: IdTableState, since_step: int
   changed_slots = np.flatnonzero(changed).astype(np.int64)
   changed_ids = id_words.join_words(words[changed_slots])
 
-  log_steps = np.asarray(id_state.log_steps).astype(np.int64)
-  in_log = (log_steps >= 0) & (log_steps >= since)
-  evicted: list[Any] = [id_words.join_words(np.asarray(id_state.log_ids)[
-      in_log])]
+  evicted: list[Any] = []
+  if id_state.log_steps is not None:
+    log_steps = np.asarray(id_state.log_steps).astype(np.int64)
+    in_log = (log_steps >= 0) & (log_steps >= since)
+    evicted.append(id_words.join_words(np.asarray(id_state.log_ids)[in_log]))
   if ttl is not None:
     # Expired owners still in their slot lost their row at last_seen + ttl + 1.
     expired = occupied & ~alive & (last_seen + ttl + 1 >= since)
     evicted.append(id_words.join_words(words[expired]))
   live_ids = id_words.join_words(words[alive])
-  evicted_ids = np.setdiff1d(np.concatenate(evicted), live_ids)
+  evicted_ids = np.setdiff1d(
+      np.concatenate(evicted) if evicted else np.zeros((0,), np.int64),
+      live_ids)
   return changed_ids, changed_slots, evicted_ids.astype(np.int64)
+
+
+def export_changes(id_state: Any, since_step: int
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Deprecated: use `IdTable.export_changes(id_state, since_step)`.
+
+  This function infers the table's `ttl` from the length of the state's
+  wheel; the method reads it from the table.
+
+  Args:
+    id_state: an `IdTableState`.
+    since_step: the first step to include (0 or less: everything).
+
+  Returns:
+    `(changed_ids, changed_slots, evicted_ids)`, as the method.
+
+  Example:
+    >>> import warnings
+    >>> import numpy as np
+    >>> import lazy_optax
+    >>> t = lazy_optax.IdTable(capacity=2, probe=2)
+    >>> _, state, _ = t.assign(t.init(), np.array([10, 11]), step=0)
+    >>> with warnings.catch_warnings():
+    ...   warnings.simplefilter('ignore', DeprecationWarning)
+    ...   changed_ids, _, _ = lazy_optax.export_changes(state, since_step=0)
+    >>> sorted(changed_ids.tolist())
+    [10, 11]
+  """
+  where = 'export_changes'
+  warnings.warn(deprecations.message('lazy_optax.export_changes',
+                                     'lazy_optax.IdTable.export_changes'),
+                DeprecationWarning, stacklevel=2)
+  fields = ('ids', 'last_seen', 'wheel', 'log_ids', 'log_steps', 'log_lost',
+            'step')
+  if not isinstance(id_state, tuple) or not all(
+      hasattr(id_state, name) for name in fields):
+    raise TypeError(f'{where}: id_state must be an IdTableState, got '
+                    f'{type(id_state).__name__}.')
+  since = check_since_step(since_step, where)
+  state: Any = id_state
+  wheel = state.wheel
+  size = 0 if wheel is None else int(np.shape(wheel)[0])
+  return changes(state, since, size - 1 if size else None, where)

@@ -18,15 +18,20 @@ How `assign` places a batch (all steps batch-sized):
 2. An id found live in its window is a hit: its slot is marked seen at this
    step, so no new id of the same step can take it.
 3. A missing id is admitted once the sketch has counted it `admit_after`
-   times (the sketch counts every lookup of an id that holds no row).
+   times (under `admission='frequency'` the sketch counts every lookup and
+   is halved every `lfu_period` steps; under `'always'` it counts the
+   lookups of ids that hold no row).
 4. Admitted ids claim slots in a fixed number of rounds (`rounds`). In each
    round every unplaced id picks its best slot among those of its window not
    seen at this step: free slots (empty, or expired under `ttl`) first, then
    the policy's victim (`'lru'`: the least recently seen; `'lfu'`: the
    lowest decayed count, then the least recently seen; `'none'`: no victim).
-   Ties go to the earlier slot of the window. Several ids picking one slot
-   are resolved by id value (the smallest id wins) through a scatter-max
-   into a per-slot scratch that is zero again after every round, so the
+   Ties go to the earlier slot of the window. Under `admission='frequency'`
+   (the default) an id takes a victim's slot only when the sketch counts it
+   more often than the victim (TinyLFU); else it is declined: no row at this
+   step, no further round. Several ids picking one slot are resolved by id
+   value (the smallest id wins) through a scatter-max into a per-slot scratch
+   that is zero again after every round, so the
    result depends on the set of ids only: any batch order and any device
    count give the same mapping. Losers try again in the next round.
 5. Ids left without a slot (their whole window seen at this step, rounds
@@ -43,20 +48,20 @@ import functools
 from typing import Any, NamedTuple, Optional
 
 import jax
-from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
 from lazy_optax._src import checks
-from lazy_optax._src import id_hashing
+from lazy_optax._src import id_assign
+from lazy_optax._src import id_export
 from lazy_optax._src import id_words
 from lazy_optax._src import sharding as _sharding
 
 _EVICTIONS = ('lru', 'lfu', 'none')
+_ADMISSIONS = ('frequency', 'always')
+_DEFAULT_PROBE = 16
 _MAX_CAPACITY = 2 ** 31 - 2          # capacity itself must fit int32
 EMPTY_STEP = -(2 ** 30)              # last_seen of a never-used slot
-_BIG_STEP = 2 ** 31 - 1
-_COUNT_LIMIT = 2 ** 30
 
 
 class IdCounters(NamedTuple):
@@ -74,6 +79,8 @@ class IdCounters(NamedTuple):
     overflows: lookups that got no row because every slot of their probe
       window was taken by ids of the same step (or they lost every round).
     unadmitted: lookups of ids not yet seen `admit_after` times.
+    declined: lookups refused the slot of a live id that the sketch counts
+      as often or more (`admission='frequency'`).
   """
   admissions: jax.Array
   evictions: jax.Array
@@ -81,28 +88,32 @@ class IdCounters(NamedTuple):
   rejections: jax.Array
   overflows: jax.Array
   unadmitted: jax.Array
+  declined: jax.Array
 
 
 class IdTableState(NamedTuple):
   """The state of an `IdTable`: a pytree of fixed shapes.
 
   Save it with orbax alongside the parameters and the optimizer state, and
-  donate it to the jitted step (`assign` updates it in place).
+  donate it to the jitted step (`assign` updates it in place). The parts a
+  configuration does not use are `None` (an empty pytree node), never a
+  zero-size array, so every configuration checkpoints.
 
   Attributes:
     ids: `uint32[capacity, 2]`, the raw id words of each slot's owner;
       `0xFFFFFFFF` words for an empty slot.
     last_seen: `int32[capacity]`, the step its owner was last assigned.
-    counts: `int32[capacity]`, `'lfu'` counts (empty for other policies).
+    counts: `int32[capacity]`, `'lfu'` counts (None for other policies).
     claims: `uint32[capacity]`, scratch for resolving claims; all zero
       between calls.
-    sketch: `int32[depth, width]`, the admission count-min sketch (empty
-      when `admit_after == 1`).
+    sketch: `int32[depth, width]`, the count-min sketch of lookups (None
+      when `admit_after == 1` and nothing is frequency-guarded).
     wheel: `int32[ttl + 1]`, live ids per last-seen step modulo `ttl + 1`
-      (empty without `ttl`).
-    log_ids: `uint32[eviction_log, 2]`, evicted ids (a ring).
+      (None without `ttl`).
+    log_ids: `uint32[eviction_log, 2]`, evicted ids (a ring; None when
+      `eviction_log=0`).
     log_steps: `int32[eviction_log]`, the step each logged id lost its row
-      (-1: unused entry).
+      (-1: unused entry; None when `eviction_log=0`).
     log_next: `int32[]`, the next ring entry to write.
     log_lost: `int32[]`, the latest eviction step among overwritten ring
       entries (-1: none), so `export_changes` knows what it cannot list.
@@ -112,12 +123,12 @@ class IdTableState(NamedTuple):
   """
   ids: jax.Array
   last_seen: jax.Array
-  counts: jax.Array
+  counts: Optional[jax.Array]
   claims: jax.Array
-  sketch: jax.Array
-  wheel: jax.Array
-  log_ids: jax.Array
-  log_steps: jax.Array
+  sketch: Optional[jax.Array]
+  wheel: Optional[jax.Array]
+  log_ids: Optional[jax.Array]
+  log_steps: Optional[jax.Array]
   log_next: jax.Array
   log_lost: jax.Array
   step: jax.Array
@@ -161,65 +172,6 @@ jax.tree_util.register_pytree_with_keys(
     lambda rows: ((rows.slots, rows.ids), rows.capacity))
 
 
-def _add64(count: jax.Array, n: jax.Array) -> jax.Array:
-  """`count` (uint32 [high, low]) plus a non-negative int32 `n`."""
-  low = count[1] + n.astype(jnp.uint32)
-  carry = (low < count[1]).astype(jnp.uint32)
-  return jnp.stack([count[0] + carry, low])
-
-
-def _after(index: jax.Array, read: jax.Array, fill: int) -> jax.Array:
-  """`index`, made to depend on `read` (int32 values that are never max).
-
-  A scatter into a donated array whose indices do not depend on an earlier
-  gather from it makes XLA copy the whole array first (nothing orders the
-  gather before the in-place write); measured here on every such pair. This
-  keeps the indices as they are and adds the dependency.
-  """
-  return jnp.where(read != jnp.iinfo(jnp.int32).max, index, fill)
-
-
-def _window(array: jax.Array, homes: jax.Array, probe: int) -> jax.Array:
-  """`array[homes[i] : homes[i] + probe]` for each i: `[N, probe, ...]`."""
-  rest = array.shape[1:]
-  dims = lax.GatherDimensionNumbers(
-      offset_dims=tuple(range(1, 2 + len(rest))), collapsed_slice_dims=(),
-      start_index_map=(0,))
-  return lax.gather(array, homes[:, None], dims, (probe, *rest),
-                    mode='clip')
-
-
-def _first(mask: jax.Array) -> jax.Array:
-  """The first True column of each row of `mask [N, P]`, or P (int32).
-
-  Two plain reductions: on XLA CPU `argmin`/`argmax` (a variadic reduce)
-  measured several times slower.
-  """
-  probe = mask.shape[1]
-  return jnp.min(jnp.where(mask, lax.iota(jnp.int32, probe)[None, :], probe),
-                 axis=1)
-
-
-def _pick(values: jax.Array, j: jax.Array) -> jax.Array:
-  """`values[i, j[i]]` for `values [N, P]` (zero where `j[i]` is P)."""
-  hit = lax.iota(jnp.int32, values.shape[1])[None, :] == j[:, None]
-  if values.dtype == jnp.bool_:
-    return jnp.any(hit & values, axis=1)
-  return jnp.sum(jnp.where(hit, values, jnp.zeros((), values.dtype)), axis=1,
-                 dtype=values.dtype)
-
-
-def _count(mask: jax.Array) -> jax.Array:
-  return jnp.sum(mask.astype(jnp.int32))
-
-
-class _DefaultProbe(int):
-  """The default `probe` (16), narrowed to `capacity` for smaller tables."""
-
-
-_DEFAULT_PROBE = _DefaultProbe(16)
-
-
 def _int_problem(value: Any, name: str, low: int,
                  high: int) -> Optional[Exception]:
   """What is wrong with an int argument (None: nothing)."""
@@ -257,10 +209,17 @@ class IdTable:
     capacity: the number of slots (the table's row count), at most
       `2**31 - 2`.
     probe: the probe window's size (slots an id may live in), in
-      `[1, min(capacity, 4096)]`; default `min(16, capacity)`.
+      `[1, min(capacity, 4096)]`; None (the default) means
+      `min(16, capacity)`.
     eviction: `'lru'` (the least recently seen id of the window gives way),
       `'lfu'` (the lowest count, halved every `lfu_period` steps, then the
       least recently seen), or `'none'` (a full window rejects the new id).
+    admission: `'frequency'` (a new id takes the victim's slot only when
+      the count-min sketch has seen it more often than the victim, counts
+      halved every `lfu_period` steps: ids that keep coming back are not
+      pushed out by rarer ones) or `'always'` (the victim always gives way:
+      the behaviour before `admission` existed). Listed last, after
+      `checked`, so positional arguments keep their meaning.
     admit_after: an id gets a row once it was looked up this many times (a
       count-min sketch of `sketch_depth x sketch_width` counts); 1 admits at
       once.
@@ -269,9 +228,12 @@ class IdTable:
       `4 * (ttl + 1)` bytes and `O(ttl)` element-wise work per step.
     rounds: claim rounds per `assign` (a fixed number; more rounds place
       more of the ids that collide on one slot within a step).
-    lfu_period: steps per halving of the `'lfu'` counts.
+    lfu_period: steps per halving of the `'lfu'` counts (and of the sketch
+      under `admission='frequency'`).
     sketch_depth: rows of the admission sketch.
-    sketch_width: columns of the admission sketch (default `capacity`).
+    sketch_width: columns of the admission sketch (default `capacity`); the
+      table holds a sketch when `admit_after > 1` or under
+      `admission='frequency'` with a victim policy.
     eviction_log: entries of the ring of evicted ids read by
       `export_changes` (default `capacity`; 0 for none).
     seed: salt of the hashes (fixed for the life of a table).
@@ -292,7 +254,7 @@ class IdTable:
   """
 
   capacity: int
-  probe: int = _DEFAULT_PROBE
+  probe: Optional[int] = None
   eviction: str = 'lru'
   admit_after: int = 1
   ttl: Optional[int] = None
@@ -303,12 +265,13 @@ class IdTable:
   eviction_log: Optional[int] = None
   seed: int = 0
   checked: bool = False
+  admission: str = 'frequency'
 
   def __post_init__(self):
     problems = self._argument_problems()
     _raise_all(problems)
-    if type(self.probe) is _DefaultProbe:  # pylint: disable=unidiomatic-typecheck
-      object.__setattr__(self, 'probe', min(int(self.probe), self.capacity))
+    if self.probe is None:
+      object.__setattr__(self, 'probe', min(_DEFAULT_PROBE, self.capacity))
     for name in ('capacity', 'probe', 'admit_after', 'ttl', 'rounds',
                  'lfu_period', 'sketch_depth', 'sketch_width', 'eviction_log',
                  'seed'):
@@ -327,7 +290,7 @@ class IdTable:
       return problem is None
 
     capacity_ok = check(self.capacity, 'capacity', 1, _MAX_CAPACITY)
-    if type(self.probe) is not _DefaultProbe:  # pylint: disable=unidiomatic-typecheck
+    if self.probe is not None:
       high = min(self.capacity, 4096) if capacity_ok else 4096
       name = f'probe (with capacity={self.capacity})' if capacity_ok and (
           self.capacity < 4096) else 'probe'
@@ -335,7 +298,10 @@ class IdTable:
     if self.eviction not in _EVICTIONS:
       problems.append(ValueError(
           f'eviction must be one of {_EVICTIONS}, got {self.eviction!r}'))
-    check(self.admit_after, 'admit_after', 1, _COUNT_LIMIT)
+    if self.admission not in _ADMISSIONS:
+      problems.append(ValueError(
+          f'admission must be one of {_ADMISSIONS}, got {self.admission!r}'))
+    check(self.admit_after, 'admit_after', 1, id_assign.COUNT_LIMIT)
     if self.ttl is not None:
       check(self.ttl, 'ttl', 0, 2 ** 26)
     check(self.rounds, 'rounds', 1, 64)
@@ -354,9 +320,9 @@ class IdTable:
   # -- shapes -----------------------------------------------------------------
 
   @property
-  def _sketch_shape(self) -> tuple[int, int]:
-    if self.admit_after == 1:
-      return (0, 0)
+  def _sketch_shape(self) -> Optional[tuple[int, int]]:
+    if self.admit_after == 1 and not id_assign.guards(self):
+      return None
     width = self.sketch_width or self.capacity
     return (self.sketch_depth, width)
 
@@ -367,21 +333,24 @@ class IdTable:
   def init(self) -> IdTableState:
     """An empty table's state (all slots free, counters zero).
 
+    Parts the configuration does not use are `None` (no zero-size arrays,
+    which orbax cannot save).
+
     Returns:
       An `IdTableState`.
     """
-    c = self.capacity
+    c, log, sketch = self.capacity, self._log_size, self._sketch_shape
     return IdTableState(
         ids=jnp.full((c, 2), id_words.EMPTY_WORD, jnp.uint32),
         last_seen=jnp.full((c,), EMPTY_STEP, jnp.int32),
-        counts=jnp.zeros((c if self.eviction == 'lfu' else 0,), jnp.int32),
+        counts=jnp.zeros((c,), jnp.int32) if self.eviction == 'lfu' else None,
         claims=jnp.zeros((c,), jnp.uint32),
-        sketch=jnp.zeros(self._sketch_shape, jnp.int32),
-        wheel=jnp.zeros((0 if self.ttl is None else self.ttl + 1,),
-                        jnp.int32),
-        log_ids=jnp.full((self._log_size, 2), id_words.EMPTY_WORD,
-                         jnp.uint32),
-        log_steps=jnp.full((self._log_size,), -1, jnp.int32),
+        sketch=None if sketch is None else jnp.zeros(sketch, jnp.int32),
+        wheel=None if self.ttl is None else jnp.zeros((self.ttl + 1,),
+                                                      jnp.int32),
+        log_ids=jnp.full((log, 2), id_words.EMPTY_WORD, jnp.uint32)
+        if log else None,
+        log_steps=jnp.full((log,), -1, jnp.int32) if log else None,
         log_next=jnp.zeros((), jnp.int32),
         log_lost=jnp.full((), -1, jnp.int32),
         step=jnp.full((), -1, jnp.int32),
@@ -415,15 +384,18 @@ class IdTable:
       return jax.sharding.NamedSharding(mesh, P(*parts))
 
     def split_if(size: int, *parts: Any) -> Any:
-      return spec(*parts) if size and size % devices == 0 else spec()
+      return spec(*parts) if size % devices == 0 else spec()
 
     whole = spec()
-    log = self._log_size
+    log, sketch = self._log_size, self._sketch_shape
     return IdTableState(
         ids=spec(axis), last_seen=spec(axis),
-        counts=spec(axis) if self.eviction == 'lfu' else whole,
-        claims=spec(axis), sketch=split_if(self._sketch_shape[1], None, axis),
-        wheel=whole, log_ids=split_if(log, axis), log_steps=split_if(log, axis),
+        counts=spec(axis) if self.eviction == 'lfu' else None,
+        claims=spec(axis),
+        sketch=None if sketch is None else split_if(sketch[1], None, axis),
+        wheel=None if self.ttl is None else whole,
+        log_ids=split_if(log, axis) if log else None,
+        log_steps=split_if(log, axis) if log else None,
         log_next=whole, log_lost=whole, step=whole, live=whole,
         counters=IdCounters(*([whole] * len(IdCounters._fields))))
 
@@ -439,6 +411,16 @@ class IdTable:
                       f'IdTable.init, got {type(state).__name__}.')
     expected = self._state_shapes
     for name, want, got in zip(IdTableState._fields, expected, state):
+      if (want is None) != (got is None):
+        made = 'no array' if want is None else 'an array'
+        hint = (' (zero-size arrays stood for unused parts before; they are '
+                'None now)' if want is None
+                and 0 in tuple(getattr(got, 'shape', ())) else '')
+        raise ValueError(
+            f'{where}: state.{name} is '
+            f'{"None" if got is None else "an array"}, but this IdTable '
+            f'({self}) makes {made}{hint}: was the state made by another '
+            'IdTable?')
       for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         if tuple(jnp.shape(g)) != tuple(w.shape) or jnp.result_type(
             g) != w.dtype:
@@ -447,23 +429,6 @@ class IdTable:
               f'{list(jnp.shape(g))}, but this IdTable ({self}) makes '
               f'{w.dtype}{list(w.shape)}: was the state made by another '
               'IdTable?')
-
-  def _homes(self, words: jax.Array) -> jax.Array:
-    """The first slot of each id's probe window: int32 `[N]`.
-
-    Windows do not wrap around: they start in `[0, capacity - probe]`, so
-    each is one contiguous slice of the state (a slice gather reads it
-    several times faster than `probe` separate indices).
-    """
-    return id_hashing.home_slots(words, self.capacity - self.probe + 1,
-                                 self.seed).astype(jnp.int32)
-
-  def _alive(self, window_words: jax.Array, window_seen: jax.Array,
-             now: jax.Array) -> jax.Array:
-    occupied = window_words[..., 0] != jnp.uint32(id_words.EMPTY_WORD)
-    if self.ttl is None:
-      return occupied
-    return occupied & (window_seen >= now - self.ttl)
 
   def find(self, state: IdTableState, raw_ids: Any, *,
            ids_are_32bit: bool = False) -> jax.Array:
@@ -507,17 +472,53 @@ class IdTable:
     return _find_jit(self, state, words).reshape(shape)
 
   def _find(self, state: IdTableState, words: jax.Array) -> jax.Array:
-    valid = id_words.valid_words(words)
-    homes = self._homes(words)
-    win_words = _window(state.ids, homes, self.probe)
-    win_seen = _window(state.last_seen, homes, self.probe)
-    now = jnp.maximum(state.step, 0)
-    match = self._alive(win_words, win_seen, now) & (
-        win_words[..., 0] == words[:, None, 0]) & (
-            win_words[..., 1] == words[:, None, 1])
-    hit_j = _first(match)
-    found = valid & (hit_j < self.probe)
-    return jnp.where(found, homes + hit_j, self.capacity).astype(jnp.int32)
+    win = id_assign.probe_windows(self, state.ids, state.last_seen, words,
+                                  jnp.maximum(state.step, 0))
+    return jnp.where(win.found, win.hit_slot, self.capacity).astype(jnp.int32)
+
+  def export_changes(self, state: IdTableState, since_step: int
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Ids whose rows changed since a step, their slots, and evicted ids.
+
+    For serving (see `lazy_optax._src.id_export`): runs on the host (NumPy)
+    over the whole state, so call it when exporting, not in the train step.
+    `since_step=s` covers the steps `s, s + 1, ..., state.step`; to export
+    incrementally, pass the previous export's `int(state.step) + 1`. Apply
+    the evicted ids first (delete), then the changed ones (upsert
+    `table[slot]`).
+
+    Args:
+      state: this table's state (sharded or not).
+      since_step: the first step to include (0 or less: everything).
+
+    Returns:
+      `(changed_ids, changed_slots, evicted_ids)`: int64 ids and int64
+      slots of the live ids assigned at a step `>= since_step` (ordered by
+      slot), and the sorted int64 ids that lost their row at a step
+      `>= since_step` and hold none now.
+
+    Raises:
+      TypeError: `state` is not this table's `IdTableState`, or
+        `since_step` is not an int.
+      ValueError: the eviction log overwrote evictions at or after
+        `since_step` (export more often, or give the `IdTable` a larger
+        `eviction_log`), so the evicted ids cannot all be listed.
+
+    Example:
+      >>> import numpy as np
+      >>> import lazy_optax
+      >>> t = lazy_optax.IdTable(capacity=2, probe=2, admission='always')
+      >>> _, state, _ = t.assign(t.init(), np.array([10, 11]), step=0)
+      >>> _, state, _ = t.assign(state, np.array([12]), step=1)
+      >>> changed_ids, changed_slots, evicted = t.export_changes(
+      ...     state, since_step=1)
+      >>> changed_ids.tolist(), evicted.tolist()
+      ([12], [10])
+    """
+    where = 'IdTable.export_changes'
+    self._check_state(state, where)
+    since = id_export.check_since_step(since_step, where)
+    return id_export.changes(state, since, self.ttl, where)
 
   def stats(self, state: IdTableState) -> dict[str, int]:
     """The counters as Python ints (on the host): live ids and events.
@@ -614,256 +615,71 @@ class IdTable:
 
   def _assign(self, state: IdTableState, words: jax.Array, now: jax.Array
               ) -> tuple[jax.Array, IdTableState, FreshRows, jax.Array]:
-    c, n = self.capacity, words.shape[0]
-    prev = state.step
+    """The steps of the module doc, each a function of `id_assign`."""
+    c = self.capacity
+    # 1. Probe windows: each id's window, and the live ids found there.
+    win = id_assign.probe_windows(self, state.ids, state.last_seen, words,
+                                  now)
+    # 2. Expiry: under ttl, ids last seen before now - ttl expire now.
+    wheel, expired, live = id_assign.expire(self, state.wheel, state.live,
+                                            state.step, now)
+    # 3. Admission: the sketch counts lookups of ids without a row.
     valid = id_words.valid_words(words)
-    position = lax.iota(jnp.int32, n)
-    homes = self._homes(words)
-    win_words = _window(state.ids, homes, self.probe)          # [n, P, 2]
-    win_seen = _window(state.last_seen, homes, self.probe)     # [n, P]
-    alive = self._alive(win_words, win_seen, now)
-    match = alive & (win_words[..., 0] == words[:, None, 0]) & (
-        win_words[..., 1] == words[:, None, 1])
-    hit_j = _first(match)                    # probe (a live id is there once)
-    found = valid & (hit_j < self.probe)
-    hit_slot = homes + hit_j
-    hit_seen = _pick(win_seen, hit_j)
-
-    # Ttl: ids last seen before now - ttl expire now; the wheel says how many.
-    wheel, expired_now, live = state.wheel, jnp.zeros((), jnp.int32), state.live
-    if self.ttl is not None:
-      w = self.ttl + 1
-      k = lax.iota(jnp.int32, w)
-      at_step = prev - jnp.mod(prev - k, w)
-      expiring = (at_step < now - self.ttl) & (prev >= 0)
-      expired_now = jnp.sum(jnp.where(expiring, wheel, 0))
-      wheel = jnp.where(expiring, 0, wheel)
-      live = live - expired_now
-
-    # Admission: the sketch counts lookups of ids without a row.
-    need = valid & ~found
-    sketch = state.sketch
-    admitted = need
-    if self.admit_after > 1:
-      depth, width = self._sketch_shape
-      cols = id_hashing.sketch_columns(words, depth, width, self.seed)
-      cols = jnp.where(need[None, :], cols, width)
-      rows = jnp.broadcast_to(lax.iota(jnp.int32, depth)[:, None], cols.shape)
-      sketch = sketch.at[rows, cols].add(1, mode='drop')
-      sketch = sketch.at[rows, cols].min(_COUNT_LIMIT, mode='drop')
-      seen = jnp.min(sketch.at[rows, cols].get(mode='fill', fill_value=0),
-                     axis=0)
-      admitted = need & (seen >= self.admit_after)
-
+    need = valid & ~win.found
+    sketch, admitted, seen = id_assign.admit(self, state.sketch, words, valid,
+                                             need, state.step, now)
     # Hits are seen now: no new id of this step may take their slots.
-    last_seen = state.last_seen.at[
-        _after(jnp.where(found, hit_slot, c), hit_seen, c)].set(
+    last_seen = state.last_seen.at[id_assign.after(
+        jnp.where(win.found, win.hit_slot, c), win.hit_seen, c)].set(
             now, mode='drop')
-
-    # Per window slot, the policy's preference (lower is better).
-    free = ~alive
-    if self.eviction == 'lfu':
-      win_counts = _window(state.counts, homes, self.probe)
-      score = jnp.where(free, -1, self._decayed(win_counts, win_seen, now))
-    else:
-      score = None
-
-    placed = jnp.full((n,), c, jnp.int32)
-    placed_j = jnp.zeros((n,), jnp.int32)
-    no_room = jnp.zeros((n,), bool)
-    blocked = jnp.zeros((n,), bool)     # a full window under 'none'
-    hi_key = ~words[:, 0]
-    lo_key = ~words[:, 1]
-
-    per_id = {'homes': homes, 'words': words, 'hi': hi_key, 'lo': lo_key,
-              'seen': win_seen, 'free': free}
-    if score is not None:
-      per_id['score'] = score
-
-    def round_on(tables, ids_in, pending_in):
-      """One claim round for the ids `ids_in` (all, or a compacted few)."""
-      ids_table, last_seen, claims = tables
-      homes_in = ids_in['homes']
-      seen_now = _window(last_seen, homes_in, self.probe)
-      untouched = seen_now < now
-      eligible = untouched
-      if self.eviction == 'none':
-        eligible = untouched & ids_in['free']
-      if self.eviction == 'lfu':
-        best = jnp.min(jnp.where(eligible, ids_in['score'], _BIG_STEP), axis=1)
-        eligible = eligible & (ids_in['score'] == best[:, None])
-      # Free slots are older than live ones (empty: EMPTY_STEP; expired:
-      # before now - ttl), so the least recently seen comes first.
-      oldest = jnp.where(eligible, ids_in['seen'], _BIG_STEP)
-      least = jnp.min(oldest, axis=1)
-      has = pending_in & (least < _BIG_STEP)
-      j = _first(oldest == least[:, None])
-      target = jnp.where(has, homes_in + j, c)
-      # The smallest id wins: the largest complement of its high word, then
-      # of its low word. The scratch is cleared where it was written.
-      hi, lo = ids_in['hi'], ids_in['lo']
-      claims = claims.at[target].max(hi, mode='drop')
-      won_high = has & (claims.at[target].get(mode='fill', fill_value=0)
-                        == hi)
-      second = jnp.where(won_high, target, c)
-      claims = claims.at[second].set(jnp.uint32(0), mode='drop')
-      claims = claims.at[second].max(lo, mode='drop')
-      won = won_high & (claims.at[second].get(mode='fill', fill_value=0)
-                        == lo)
-      winner = jnp.where(won, target, c)
-      claims = claims.at[winner].set(jnp.uint32(0), mode='drop')
-      ids_table = ids_table.at[winner].set(ids_in['words'], mode='drop')
-      last_seen = last_seen.at[winner].set(now, mode='drop')
-      stuck = pending_in & ~has
-      if self.eviction == 'none':
-        blocked_in = stuck & jnp.any(untouched & ~ids_in['free'], axis=1)
-      else:
-        blocked_in = jnp.zeros_like(stuck)
-      return (ids_table, last_seen, claims), (won, target, j, stuck,
-                                              blocked_in)
-
-    def merge(carry, tables, results):
-      _, placed, placed_j, pending, no_room, blocked = carry
-      won, target, j, stuck, blocked_in = results
-      return (tables, jnp.where(won, target, placed),
-              jnp.where(won, j, placed_j), pending & ~won & ~stuck,
-              no_room | stuck, blocked | blocked_in)
-
-    def full_round(carry):
-      tables, _, _, pending, _, _ = carry
-      new_tables, results = round_on(tables, per_id, pending)
-      return merge(carry, new_tables, results)
-
-    def compact_round(few, carry):
-      """A round for the pending ids compacted into `few` rows."""
-      tables, _, _, pending, _, _ = carry
-      rank = jnp.cumsum(pending.astype(jnp.int32)) - 1
-      sel = jnp.full((few,), n, jnp.int32).at[
-          jnp.where(pending, rank, few)].set(position, mode='drop')
-      ids_in = jax.tree.map(
-          lambda a: a.at[sel].get(mode='fill', fill_value=0), per_id)
-      new_tables, results = round_on(tables, ids_in, sel < n)
-      back = [jnp.zeros((n,), r.dtype).at[sel].set(r, mode='drop')
-              for r in results]
-      return merge(carry, new_tables, tuple(back))
-
-    def one_round(few, carry):
-      # The pending ids compacted into `few` rows when they fit (most ids of
-      # a batch are hits), all `n` rows when they do not: never a subset
-      # chosen by position, so the result does not depend on batch order.
-      left = _count(carry[3])
-      carry = lax.cond(left > few, full_round, lambda x: x, carry)
-      return lax.cond((left <= few) & (left > 0),
-                      functools.partial(compact_round, few), lambda x: x,
-                      carry)
-
-    carry = ((state.ids, last_seen, state.claims), placed, placed_j,
-             admitted, no_room, blocked)
-    # The first round: the batch's new ids (a share of it once the hot ids
-    # hold rows); later rounds: the few that lost a claim.
-    carry = one_round(min(n, max(32, n // 4)), carry)
-    if self.rounds > 1:
-      later = min(n, max(32, n // 16))
-      carry = lax.fori_loop(
-          1, self.rounds, lambda _, c: one_round(later, c), carry)
-    ((ids_table, last_seen, claims), placed, placed_j, pending, no_room,
-     blocked) = carry
-    no_room = no_room | pending          # lost every round
-
-    inserted_any = placed < c
-    slot = jnp.where(found, hit_slot, placed)
-    # One representative position per slot (the last one), for everything
-    # counted per id rather than per lookup.
-    key = (position + 1).astype(jnp.uint32)
-    claims = claims.at[slot].max(key, mode='drop')
-    rep = (slot < c) & (claims.at[slot].get(mode='fill', fill_value=0) == key)
-    claims = claims.at[jnp.where(rep, slot, c)].set(jnp.uint32(0), mode='drop')
-    inserted = rep & inserted_any
-    hit = rep & found
-    old_alive = _pick(alive, placed_j)
-    old_high = _pick(win_words[..., 0], placed_j)
-    old_occupied = old_high != jnp.uint32(id_words.EMPTY_WORD)
-    old_seen = _pick(win_seen, placed_j)
-    old_words = jnp.stack([old_high, _pick(win_words[..., 1], placed_j)],
-                          axis=-1)
-
-    counts = state.counts
-    if self.eviction == 'lfu':
-      hit_count = counts.at[hit_slot].get(mode='clip')
-      renewed = jnp.where(hit_seen < now,
-                          self._decayed(hit_count, hit_seen, now) + 1,
-                          hit_count)
-      value = jnp.where(found, jnp.minimum(renewed, _COUNT_LIMIT), 1)
-      counts = counts.at[jnp.where(rep, slot, c)].set(value, mode='drop')
-
-    if self.ttl is not None:
-      w = self.ttl + 1
-      moved = hit & (hit_seen < now)
-      evicted_live = inserted & old_alive
-      wheel = wheel.at[jnp.where(moved, jnp.mod(hit_seen, w), w)].add(
-          -1, mode='drop')
-      wheel = wheel.at[jnp.where(evicted_live, jnp.mod(old_seen, w), w)].add(
-          -1, mode='drop')
-      wheel = wheel.at[jnp.mod(now, w)].add(_count(moved | inserted))
-
-    live = live + _count(inserted & ~old_alive)
-
+    # 4. Claim rounds: admitted ids take free slots or the policy's victims.
+    claimed = id_assign.claim_rounds(self, state.ids, last_seen, state.claims,
+                                     state.counts, sketch, seen, words, win,
+                                     admitted, now)
+    # 5. Accounting, per slot (one representative position each).
+    slot = jnp.where(win.found, win.hit_slot, claimed.placed)
+    claims, rep = id_assign.representatives(claimed.claims, slot, c)
+    inserted = rep & (claimed.placed < c)
+    hit = rep & win.found
+    j = claimed.placed_j
+    old_alive = id_assign.pick(win.alive, j)
+    old_seen = id_assign.pick(win.seen, j)
+    old_words = jnp.stack([id_assign.pick(win.words[..., 0], j),
+                           id_assign.pick(win.words[..., 1], j)], axis=-1)
+    old_occupied = old_words[:, 0] != jnp.uint32(id_words.EMPTY_WORD)
+    counts = id_assign.renew_counts(self, state.counts, win, slot, rep, now)
+    wheel = id_assign.move_wheel(self, wheel, win, hit, inserted, old_alive,
+                                 old_seen, now)
+    live = live + id_assign.count(inserted & ~old_alive)
     # The eviction log: ids that lost their row (to a new owner here; under
     # ttl, an expired owner is logged at the step it expired).
-    log_ids, log_steps = state.log_ids, state.log_steps
-    log_next, log_lost = state.log_next, state.log_lost
-    record = inserted & old_occupied
-    evict_step = jnp.where(old_alive, now,
-                           old_seen + (0 if self.ttl is None else self.ttl + 1))
-    size = self._log_size
-    if size > 0:
-      total = _count(record)
-      rank = jnp.cumsum(record.astype(jnp.int32)) - 1
-      kept = record & (rank >= total - size)
-      entry = jnp.mod(log_next + rank, size)
-      target = jnp.where(kept, entry, size)
-      overwritten = log_steps.at[target].get(mode='fill', fill_value=-1)
-      target = _after(target, overwritten, size)
-      log_lost = jnp.maximum(log_lost, jnp.max(
-          jnp.where(kept, overwritten, -1), initial=-1))
-      log_lost = jnp.maximum(log_lost, jnp.max(
-          jnp.where(record & ~kept, evict_step, -1), initial=-1))
-      log_ids = log_ids.at[target].set(old_words, mode='drop')
-      log_steps = log_steps.at[target].set(evict_step, mode='drop')
-      log_next = jnp.mod(log_next + total, size)
-    else:
-      log_lost = jnp.maximum(log_lost, jnp.max(
-          jnp.where(record, evict_step, -1), initial=-1))
-
-    full = no_room & ~blocked
-    old = state.counters
-    counters = IdCounters(
-        admissions=_add64(old.admissions, _count(inserted)),
-        evictions=_add64(old.evictions, _count(inserted & old_alive)),
-        expirations=_add64(old.expirations, expired_now),
-        rejections=_add64(old.rejections, _count(blocked)),
-        overflows=_add64(old.overflows, _count(full)),
-        unadmitted=_add64(old.unadmitted, _count(need & ~admitted)))
+    evict_step = jnp.where(old_alive, now, old_seen + (
+        0 if self.ttl is None else self.ttl + 1))
+    log = id_assign.log_evictions(
+        id_assign.Log(state.log_ids, state.log_steps, state.log_next,
+                      state.log_lost),
+        inserted & old_occupied, old_words, evict_step)
+    full = claimed.no_room & ~claimed.blocked
+    counters = id_assign.add_events(state.counters, {
+        'admissions': id_assign.count(inserted),
+        'evictions': id_assign.count(inserted & old_alive),
+        'expirations': expired,
+        'rejections': id_assign.count(claimed.blocked),
+        'overflows': id_assign.count(full),
+        'unadmitted': id_assign.count(need & ~admitted),
+        'declined': id_assign.count(claimed.declined)})
     new_state = IdTableState(
-        ids=ids_table, last_seen=last_seen, counts=counts, claims=claims,
-        sketch=sketch, wheel=wheel, log_ids=log_ids, log_steps=log_steps,
-        log_next=log_next, log_lost=log_lost, step=now, live=live,
-        counters=counters)
+        ids=claimed.ids, last_seen=claimed.last_seen, counts=counts,
+        claims=claims, sketch=sketch, wheel=wheel, log_ids=log.log_ids,
+        log_steps=log.log_steps, log_next=log.log_next,
+        log_lost=log.log_lost, step=now, live=live, counters=counters)
     # The state keeps its dtypes (under jax_enable_x64 scalar arithmetic
     # would otherwise widen some leaves to 64 bits).
     new_state = jax.tree.map(lambda new, old: new.astype(old.dtype),
                              new_state, state)
     slot = slot.astype(jnp.int32)
     fresh = FreshRows(jnp.where(inserted, slot, c).astype(jnp.int32), words)
-    return slot, new_state, fresh, _count(no_room)
-
-  def _decayed(self, count: jax.Array, seen: jax.Array,
-               now: jax.Array) -> jax.Array:
-    """`'lfu'` counts halved once per `lfu_period` boundary since `seen`."""
-    period = self.lfu_period
-    halvings = jnp.floor_divide(now, period) - jnp.floor_divide(
-        jnp.maximum(seen, 0), period)
-    return count >> jnp.clip(halvings, 0, 31)
+    return slot, new_state, fresh, id_assign.count(claimed.no_room)
 
 
 # Jitted with the (hashable, frozen) table static: one compiled program per
