@@ -9,7 +9,6 @@ import functools
 import os
 import subprocess
 import sys
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -76,25 +75,31 @@ def test_tree_arithmetic_on_two_batches_is_refused_eagerly(combine):
     bad['t'].add_to(_params()['t'])
 
 
-def test_under_jit_damaged_ids_write_no_row_and_warn():
+def test_under_jit_damaged_ids_stop_the_step():
   tx = lazy_optax.lazy_adam(0.1)
   params = _params()
-  state = tx.init(params)
 
-  @jax.jit
   def step(params, state, ids1, ids2):
     grads = jax.tree.map(jnp.add, _grads(ids1), _grads(ids2))
     updates, state = tx.update(grads, state, params)
     return lazy_optax.apply_updates(params, updates), state
 
-  with pytest.warns(RuntimeWarning, match=DAMAGED):
-    new_params, new_state = step(params, state, jnp.array([1, 2]),
-                                 jnp.array([3, 4]))
-    jax.block_until_ready(new_params)
+  ids = (jnp.array([1, 2]), jnp.array([3, 4]))
+  with pytest.raises(jax.errors.JaxRuntimeError,
+                     match='DamagedIdsError: The ' + DAMAGED):
+    jax.block_until_ready(jax.jit(step)(params, tx.init(params), *ids))
+  old = lazy_optax.checks.on_damaged_ids('warn')
+  try:
+    with pytest.warns(RuntimeWarning, match=DAMAGED):
+      new_params, new_state = jax.block_until_ready(
+          jax.jit(step)(params, tx.init(params), *ids))
+  finally:
+    lazy_optax.checks.on_damaged_ids(old)
+  # Warn-only: no row of the table nor of its state was written, and the
+  # dense leaf took its step.
   np.testing.assert_array_equal(new_params['t'], params['t'])
   for name in ('mu', 'nu'):
     assert not np.any(optax.tree_utils.tree_get(new_state, name)['t'])
-  # The dense leaf still took its step.
   assert not np.array_equal(new_params['w'], params['w'])
 
 
@@ -108,13 +113,11 @@ def test_checked_mode_reports_damaged_ids_under_jit():
     updates, state = tx.update(grads, state, params)
     return lazy_optax.apply_updates(params, updates), state
 
-  with warnings.catch_warnings():
-    warnings.simplefilter('ignore', RuntimeWarning)
-    with pytest.raises(lazy_optax.checks.CheckError,
-                       match=DAMAGED + r' on the gradient tree \(2 of 2 ids '
-                       r'damaged\)') as info:
-      lazy_optax.checks.checked(step)(params, tx.init(params), jnp.array([1, 2]),
-                               jnp.array([3, 4]))
+  with pytest.raises(lazy_optax.checks.CheckError,
+                     match=DAMAGED + r' on the gradient tree \(2 of 2 ids '
+                     r'damaged\)') as info:
+    lazy_optax.checks.checked(step)(params, tx.init(params), jnp.array([1, 2]),
+                                    jnp.array([3, 4]))
   np.testing.assert_array_equal(info.value.outputs[0]['t'], params['t'])
 
 

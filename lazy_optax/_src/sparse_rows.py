@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lazy_optax._src import damage
 from lazy_optax._src import dedup
 from lazy_optax._src import id_code
 from lazy_optax._src import row_ops
@@ -38,13 +39,12 @@ def _rows_nonzero(values: jax.Array) -> jax.Array:
   return jnp.any(values.reshape(n, width) != 0, axis=1)
 
 
+def _rows_finite(values: jax.Array) -> jax.Array:
+  """Per row, whether every entry is finite."""
+  return jnp.all(jnp.isfinite(values.reshape(values.shape[0], -1)), axis=1)
+
+
 _MISSING = object()
-
-
-def _warn_damaged(where: str, count: Any, total: int) -> None:
-  warnings.warn(
-      validate.damaged_ids_message(where, int(count), total)
-      + ' No row was written from these ids.', RuntimeWarning, stacklevel=2)
 
 
 class _SparseRowsType(type):
@@ -388,18 +388,21 @@ class SparseRows(metaclass=_SparseRowsType):
       raise ValueError(validate.damaged_ids_message(
           where, int(damaged.sum()), self.num_ids))
 
-  def safe_ids(self, where: str = 'a SparseRows') -> jax.Array:
+  def safe_ids(self, where: str = 'a SparseRows', *,
+               report: bool = True) -> jax.Array:
     """Row ids with every id that must touch no row set to `num_rows`.
 
     Out-of-range ids (negative ones too), empty entries and, when any entry
     of the id code is damaged, every id of this `SparseRows` are
     moved past the end, where a scatter with `mode="drop"` discards them (JAX
     wraps negative ids like numpy before any scatter `mode` applies).
-    Under `jax.jit`, damaged ids also raise a `RuntimeWarning` when the step
-    runs.
+    Under `jax.jit`, damaged ids make the step raise `DamagedIdsError` when
+    it runs (or warn, after `lazy_optax.checks.on_damaged_ids('warn')`).
 
     Args:
-      where: what this gradient is, for the warning.
+      where: what this gradient is, for the message.
+      report: whether damage seen under a trace is reported when the step
+        runs; the checked mode, which reports it itself, passes False.
 
     Returns:
       An integer array `[N]`.
@@ -414,12 +417,14 @@ class SparseRows(metaclass=_SparseRowsType):
     # ids (a tiny scale factor flushed the code to zero): damage too.
     emptied = decoded.empty & _rows_nonzero(self.values)
     all_intact = jnp.all((decoded.intact | decoded.empty) & ~emptied)
-    if _is_tracer(all_intact) and self.num_ids:
-      damaged = jnp.sum(~(decoded.intact | decoded.empty) | emptied)
-      jax.lax.cond(
-          all_intact, lambda n: None,
-          lambda n: jax.debug.callback(_warn_damaged, where, n, self.num_ids),
-          damaged)
+    if report and _is_tracer(all_intact) and self.num_ids:
+      # Rows whose values are not finite are not reported: a loss scale that
+      # overflowed unscales them by a factor that also flushes the ids, and
+      # the step is one that `apply_if_finite` or jmp skips anyway.
+      damaged = (~(decoded.intact | decoded.empty) | emptied) & _rows_finite(
+          self.values)
+      damage.report_if_damaged(jnp.all(~damaged), jnp.sum(damaged), where,
+                               self.num_ids)
     keep = (decoded.intact & all_intact & (ids >= 0) & (ids < self.num_rows))
     return jnp.where(keep, ids, jnp.asarray(self.num_rows, ids.dtype))
 
