@@ -7,9 +7,11 @@ Arithmetic on a gradient tree that reaches the id code of a `SparseRows`
 concrete that raises at once; under `jax.jit` it can only be seen when the
 step runs. Then, by default, the step raises `DamagedIdsError` (carried out
 of the compiled program by a host callback that sits in the error branch of
-a `lax.cond`, so the normal path holds none): no step goes on after a
-table's update was dropped. `on_damaged_ids('warn')` opts into the older
-behaviour: the damaged gradient writes no row, and a `RuntimeWarning` says so.
+a `lax.cond`, so the normal path holds none; the ids the step writes depend
+on its result, so its exception reaches the step's outputs): no step goes
+on after a table's update was dropped. `on_damaged_ids('warn')` opts into
+the older behaviour: the damaged gradient writes no row, and a
+`RuntimeWarning` says so.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 import warnings
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from lazy_optax._src import validate
@@ -59,35 +62,45 @@ def on_damaged_ids(mode: str) -> str:
   return old
 
 
-def _report(where: str, total: int, count: Any) -> None:
+def _report(where: str, total: int, count: Any) -> np.ndarray:
   # Under `jax.vmap` the `lax.cond` below becomes a select that runs this
   # branch for every member: only a count above zero is damage.
   count = np.asarray(count)
-  if not count.any():
-    return
-  message = validate.damaged_ids_message(where, int(count.sum()),
-                                         total * max(count.size, 1))
-  if _mode == 'warn':
+  if count.any():
+    message = validate.damaged_ids_message(where, int(count.sum()),
+                                           total * max(count.size, 1))
+    if _mode != 'warn':
+      raise DamagedIdsError(
+          message + ' The step was stopped: its update of this table would '
+          "have been dropped (lazy_optax.checks.on_damaged_ids('warn') lets "
+          'it go on without it).')
     warnings.warn(message + ' No row was written from these ids.',
                   RuntimeWarning, stacklevel=2)
-    return
-  raise DamagedIdsError(
-      message + ' The step was stopped: its update of this table would have '
-      "been dropped (lazy_optax.checks.on_damaged_ids('warn') lets it go on "
-      'without it).')
+  return np.zeros(count.shape, np.int32)
 
 
 def report_if_damaged(all_intact: jax.Array, damaged: jax.Array, where: str,
-                      total: int) -> None:
+                      total: int) -> jax.Array:
   """Under a trace: raises (or warns) when the step runs, if `damaged > 0`.
+
+  The host callback sits in the false branch of a `lax.cond`, and what it
+  returns (a zero) is returned here, for the caller to fold into the ids it
+  writes: the step's outputs then depend on the callback, so its exception
+  reaches them on every backend and device count.
 
   Args:
     all_intact: bool scalar, whether every id is intact.
-    damaged: int scalar, how many ids are damaged.
+    damaged: int32 scalar, how many ids are damaged.
     where: what the gradient is, for the message.
     total: how many ids it holds.
+
+  Returns:
+    An int32 zero.
   """
   def report(count):
-    jax.debug.callback(lambda n: _report(where, total, n), count)
+    return jax.pure_callback(
+        lambda n: _report(where, total, n),
+        jax.ShapeDtypeStruct((), jnp.int32), count, vmap_method='expand_dims')
 
-  jax.lax.cond(all_intact, lambda count: None, report, damaged)
+  return jax.lax.cond(all_intact, lambda count: jnp.zeros((), jnp.int32),
+                      report, damaged.astype(jnp.int32))
