@@ -10,9 +10,9 @@ parameter path names (`path_name`) and labels (`path_labels`, for
 `optax.partition`) that the rest of the API takes.
 """
 
+from lazy_optax._src.distinct import deduplicate
 from lazy_optax._src.labels import path_labels
 from lazy_optax._src.paths import path_name
-from lazy_optax._src.sparse_rows import deduplicate
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.tree_ops import add
 from lazy_optax._src.tree_ops import pmean

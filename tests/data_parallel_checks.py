@@ -4,7 +4,8 @@ Run as a script (XLA_FLAGS must be set before JAX starts, so the test runs
 it in a process of its own). Each device differentiates its slice of the
 batch; `lazy_optax.tree.psum`/`pmean` combine the gradients, and the step must equal
 one device's step on the whole batch. A raw `lax.psum` of the same gradients
-damages the ids: no row is written.
+damages the ids: the step raises (with the warn-only opt-in, no row is
+written).
 
 `shard_map` runs with `check_vma=True` (its default) and `False`:
 `value_and_grad` keeps the gradient rows per device either way. A
@@ -86,16 +87,27 @@ def main():
     np.testing.assert_allclose(got_p['t'][0], want['t'], rtol=2e-6,
                                atol=1e-7, err_msg=f'pmap {name}')
 
-  # The raw collectives reach the ids: nothing is written to the table.
+  # The raw collectives reach the ids: the step raises when it runs; with
+  # the warn-only opt-in, nothing is written to the table.
   for raw in (jax.lax.psum, jax.lax.pmean):
     step = jax.jit(jax.shard_map(
         local_step(raw, 1.0), mesh=mesh,
         in_specs=(P(), P(), P('batch'), P('batch')), out_specs=(P(), P()),
         check_vma=False))
-    with warnings.catch_warnings(record=True) as caught:
-      warnings.simplefilter('always')
-      got, _ = step(params, tx.init(params), ids_split, targets_split)
-      jax.block_until_ready(got)
+    try:
+      jax.block_until_ready(
+          step(params, tx.init(params), ids_split, targets_split))
+      raise AssertionError(f'{raw} of the gradients did not stop the step')
+    except (jax.errors.JaxRuntimeError, ValueError) as e:
+      assert 'DamagedIdsError' in str(e), str(e)
+    old = lazy_optax.checks.on_damaged_ids('warn')
+    try:
+      with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter('always')
+        got, _ = step(params, tx.init(params), ids_split, targets_split)
+        jax.block_until_ready(got)
+    finally:
+      lazy_optax.checks.on_damaged_ids(old)
     np.testing.assert_array_equal(got['t'], params['t'])
     assert any('changed by arithmetic' in str(w.message) for w in caught), (
         raw, [str(w.message) for w in caught])

@@ -77,7 +77,9 @@ def test_checked_mode_reports_out_of_range_ids_under_jit():
     run(params, state, jnp.array([2, 7, 1, -3], jnp.int32))
   message = str(info.value)
   assert 'parameter emb/table' in message
-  assert 'id 7 at position 1' in message
+  # Positions are slots of the gradient, whose repeated ids were summed when
+  # it was built: the distinct ids 1, 2 in slots 0, 1, then 7 and -3.
+  assert 'id 7 at position 2' in message
   assert '2 ids out of range' in message
   # The outputs travel with the error: the good ids were applied, the bad
   # ones touched nothing.

@@ -119,7 +119,7 @@ def test_has_aux_and_row_dtype():
   assert float(loss) == 6 + 7 * 2 + 2 + 3 * 2
   g = grads['table']
   assert g.dtype == jnp.float32
-  np.testing.assert_array_equal(np.asarray(g.ids), [3, 1])
+  np.testing.assert_array_equal(np.asarray(g.ids), [1, 3])  # ascending
   np.testing.assert_array_equal(
       g.to_dense(), [[0, 0], [1, 2], [0, 0], [1, 2]])
 

@@ -1,10 +1,14 @@
 """SparseRows: validation, deduplication, densification, addition."""
 
+import pathlib
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import lazy_optax
 from lazy_optax import SparseRows
 from lazy_optax.tree import deduplicate
 
@@ -60,3 +64,41 @@ def test_empty_batch_changes_nothing():
   g = SparseRows(jnp.zeros((0,), jnp.int32), jnp.zeros((0, 2)), 3)
   np.testing.assert_array_equal(table + g, table)
   assert g.to_dense().shape == (3, 2)
+
+
+def test_only_sparse_rows_touches_its_private_parts():
+  # One owner of the form of a row-sparse gradient: no other module builds
+  # one from private constructors or reads its private fields.
+  root = pathlib.Path(lazy_optax.__file__).parent
+  private = re.compile(r'SparseRows\._\w+|\._(ids|code|made|fill|'
+                       r'with_values|from_code|set)\b')
+  offenders = [
+      f'{path.relative_to(root)}:{i}: {line.strip()}'
+      for path in sorted(root.rglob('*.py'))
+      if path.name != 'sparse_rows.py'
+      for i, line in enumerate(path.read_text().splitlines(), 1)
+      if private.search(line)]
+  assert not offenders, offenders
+
+
+def test_sparse_rows_holds_distinct_ids_from_construction():
+  # Static shapes: N slots, distinct ids ascending, then num_rows and zeros;
+  # the dense array it stands for is the sum of the rows given.
+  rng = np.random.default_rng(3)
+  ids = rng.integers(0, 6, 40)
+  values = rng.normal(size=(40, 2)).astype(np.float32)
+  g = SparseRows(jnp.asarray(ids), jnp.asarray(values), 6)
+  want = np.zeros((6, 2), np.float64)
+  np.add.at(want, ids, values.astype(np.float64))
+  distinct = np.unique(ids)
+  np.testing.assert_array_equal(
+      g.ids, np.concatenate([distinct, np.full(40 - distinct.size, 6)]))
+  np.testing.assert_allclose(g.values[:distinct.size], want[distinct],
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(g.values[distinct.size:], 0)
+  # Flattening does no work but encoding: the leaves read back as they are.
+  code, leaf_values = jax.tree.leaves(g)
+  np.testing.assert_array_equal(leaf_values, g.values)
+  np.testing.assert_array_equal(
+      jax.tree.unflatten(jax.tree.structure(g), [code, leaf_values]).ids,
+      g.ids)

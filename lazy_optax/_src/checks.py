@@ -141,9 +141,20 @@ def with_id_checks(
 
   def update_fn(updates, state, params=None, **extra_args):
     check_ids_in_range(updates)
+    # The checks above report damaged ids as a CheckError; `tx` gets ids
+    # that name no row in their place, so the step itself does not raise.
+    updates = jax.tree_util.tree_map_with_path(
+        _reported, updates, is_leaf=is_sparse_rows)
     return inner.update(updates, state, params, **extra_args)
 
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def _reported(path: Any, leaf: Any) -> Any:
+  if not isinstance(leaf, SparseRows):
+    return leaf
+  ids = leaf.safe_ids(f'parameter {path_name(path)}', report=False)
+  return SparseRows.from_unique(ids, leaf.values, leaf.num_rows)
 
 
 class CheckError(ValueError):

@@ -40,13 +40,13 @@ import jax.numpy as jnp
 
 from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
+from lazy_optax._src.id_code import index_dtype
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.row_reads import in_range
 from lazy_optax._src.row_reads import read_rows
 from lazy_optax._src.row_reads import Recorder
 from lazy_optax._src.row_reads import recording
-from lazy_optax._src.sparse_rows import index_dtype
 from lazy_optax._src.sparse_rows import SparseRows
 
 _TOP_LEVEL = (
@@ -225,7 +225,10 @@ def _classify(probe: _Probe, unused: list[bool], params: _Params,
 
 def _sparse_rows(ids: jax.Array, values: jax.Array,
                  num_rows: int) -> SparseRows:
-  """`SparseRows` whose slots may point at `num_rows` (padding: no row)."""
+  """The `SparseRows` gradient; slots may name `num_rows` (padding: no row).
+
+  Repeated ids are summed here, where the gradient is built.
+  """
   return SparseRows.from_unique(ids, values, num_rows)
 
 

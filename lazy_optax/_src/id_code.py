@@ -14,13 +14,14 @@ id_i, two check hashes of id_i)` with `unit = 2**-60`:
   norm (`optax.clip_by_global_norm`, `optax.tree.norm`);
 * anything else (adding or averaging two different codes, `psum`, `pmean`,
   a cast to a narrow float) leaves parts that are not whole numbers or check
-  hashes that do not match the parts: the entry is *damaged*, and consumers
-  write no row from it;
+  hashes that do not match the parts: the entry is *damaged*, and the step
+  that consumes it is stopped;
 * an all-zero row (from `optax.tree.zeros_like`, as `optax.apply_if_finite`
   makes when it rejects a step) is *empty*: it names no row.
 
-This module only encodes and decodes; `SparseRows` decides what to do with a
-damaged entry.
+This module is the one owner of the code: it encodes, decodes, says which
+entries are damaged (`damaged`, `check`) and which ids a consumer may write
+(`safe_ids`, which also reports damage seen under `jax.jit`).
 """
 
 from __future__ import annotations
@@ -29,12 +30,26 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from lazy_optax._src import damage
+from lazy_optax._src import validate
 
 CODE_DTYPE = jnp.float32
 UNIT = 2.0 ** -60
 _PART_BITS = 16
 _CHECKS = 2
 _TOLERANCE = 0.25   # how far from a whole number a scaled part may drift
+
+
+def index_dtype(num_rows: int) -> Any:
+  """int32, unless the table has more rows than int32 can address."""
+  if num_rows < np.iinfo(np.int32).max:
+    return jnp.int32
+  if not jax.config.read('jax_enable_x64'):
+    raise ValueError(
+        f'num_rows={num_rows} needs 64-bit ids: enable jax_enable_x64.')
+  return jnp.int64
 
 
 def num_parts(id_dtype: Any) -> int:
@@ -141,3 +156,86 @@ def decode(code: jax.Array, id_dtype: Any) -> Decoded:
   ids = jax.lax.bitcast_convert_type(value, jnp.dtype(id_dtype))
   return Decoded(ids, intact, empty)
 
+
+
+# -- what the consumers of a code do with it ---------------------------------
+
+def _rows_nonzero(values: jax.Array) -> jax.Array:
+  return jnp.any(values.reshape(values.shape[0], -1) != 0, axis=1)
+
+
+def damaged(decoded: Decoded, values: jax.Array) -> jax.Array:
+  """Per entry, whether the code was damaged by arithmetic.
+
+  An entry that is not intact, or that reads "no row" while its values are
+  not zero (a tiny scale factor flushed the code to zero), is damaged.
+
+  Args:
+    decoded: what `decode` read.
+    values: the rows `[N, *row_shape]` that go with the code.
+
+  Returns:
+    A bool array `[N]`.
+  """
+  return (~(decoded.intact | decoded.empty)
+          | (decoded.empty & _rows_nonzero(values)))
+
+
+def check(code: Any, values: Any, num_rows: int, where: str) -> None:
+  """Raises on damage to a code that is visible now.
+
+  A cast or a reshape of the code raises always (trace time), damaged
+  entries of a concrete code too; traced codes are left to `safe_ids`.
+
+  Args:
+    code: the id code (a leaf, possibly changed by tree arithmetic).
+    values: the rows that go with it.
+    num_rows: the table's row count.
+    where: what the gradient is, for messages.
+  """
+  validate.id_code_structure(code, values, code_width(index_dtype(num_rows)),
+                             where)
+  if any(isinstance(x, jax.core.Tracer) for x in (code, values)):
+    return
+  if values.shape[0] == 0:
+    return
+  hurt = damaged(decode(code, index_dtype(num_rows)), values)
+  if isinstance(hurt, jax.core.Tracer):  # concrete leaves inside a trace
+    return
+  if np.any(hurt):
+    raise ValueError(validate.damaged_ids_message(
+        where, int(np.sum(hurt)), values.shape[0]))
+
+
+def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
+             report: bool) -> jax.Array:
+  """The ids of a code, every one that must touch no row set to `num_rows`.
+
+  Out-of-range and empty entries, and every entry when any is damaged, name
+  no row. Under a trace, damage is reported when the step runs, if `report`
+  (`damage.report_if_damaged`; rows whose values are not finite are not
+  reported: a loss scale that overflowed unscales them by a factor that also
+  flushes the code, and `apply_if_finite` or jmp skips such a step anyway).
+
+  Args:
+    code: the id code `[N, C]`.
+    values: the rows `[N, *row_shape]`.
+    num_rows: the table's row count.
+    where: what the gradient is, for messages.
+    report: whether to report damage seen under a trace.
+
+  Returns:
+    An integer array `[N]`.
+  """
+  decoded = decode(code, index_dtype(num_rows))
+  hurt = damaged(decoded, values)
+  if report and isinstance(hurt, jax.core.Tracer) and values.shape[0]:
+    finite = jnp.all(jnp.isfinite(values.reshape(values.shape[0], -1)),
+                     axis=1)
+    reported = hurt & finite
+    zero = damage.report_if_damaged(~jnp.any(reported), jnp.sum(reported),
+                                    where, values.shape[0])
+    hurt = hurt | (zero != 0)  # ties the step's outputs to the report
+  ids = decoded.ids
+  keep = decoded.intact & ~jnp.any(hurt) & (ids >= 0) & (ids < num_rows)
+  return jnp.where(keep, ids, jnp.asarray(num_rows, ids.dtype))

@@ -8,11 +8,22 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lazy_optax._src import id_code
+from lazy_optax._src.id_code import index_dtype
 from lazy_optax._src.paths import path_name
-from lazy_optax._src.sparse_rows import index_dtype
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
+
+
+class RowBuffer(NamedTuple):
+  """A table's accumulated rows: `k x ids per step` slots, filled in turn.
+
+  Attributes:
+    ids: int `[k * n]`, the row id of each slot; `num_rows` (no row) in a
+      slot not filled yet.
+    values: `[k * n, *row_shape]`, the (scaled) gradient rows.
+  """
+  ids: jax.Array
+  values: jax.Array
 
 
 class MultiStepsState(NamedTuple):
@@ -23,7 +34,7 @@ class MultiStepsState(NamedTuple):
     gradient_step: int32, updates made so far.
     inner_state: the wrapped transformation's state.
     acc: the accumulated gradients: a dense leaf per dense parameter, and a
-      `SparseRows` of `k x ids per step` rows per table.
+      `RowBuffer` of `k x ids per step` rows per table.
   """
   mini_step: jax.Array
   gradient_step: jax.Array
@@ -32,7 +43,18 @@ class MultiStepsState(NamedTuple):
 
 
 def _is_leaf(x: Any) -> bool:
-  return x is None or is_sparse_rows(x)
+  return x is None or is_sparse_rows(x) or isinstance(x, RowBuffer)
+
+
+def _emptied(acc: Any, grad: Any, emit: jax.Array) -> Any:
+  """`acc` as it is, or, on an update step, with nothing accumulated."""
+  if acc is None:
+    return None
+  if isinstance(acc, RowBuffer):
+    return RowBuffer(
+        jnp.where(emit, jnp.asarray(grad.num_rows, acc.ids.dtype), acc.ids),
+        jnp.where(emit, jnp.zeros_like(acc.values), acc.values))
+  return jnp.where(emit, jnp.zeros_like(acc), acc)
 
 
 def multi_steps(
@@ -46,7 +68,7 @@ def multi_steps(
 
   The row-sparse counterpart of `optax.MultiSteps`, which keeps a dense
   accumulator as large as the parameters (and cannot take `SparseRows`). Here
-  each table's accumulator is a `SparseRows` buffer of `every_k x
+  each table's accumulator is a `RowBuffer` of `every_k x
   ids_per_step[table]` rows that the steps fill in turn, so memory is
   O(k x batch), not O(table). Dense parameters accumulate densely. On every
   `every_k`-th step `tx` gets the accumulated gradients (their mean if
@@ -87,16 +109,12 @@ def multi_steps(
   inner = optax.with_extra_args_support(tx)
   wanted = dict(ids_per_step)
 
-  def empty_buffer(param: Any, n: int) -> SparseRows:
+  def empty_buffer(param: Any, n: int) -> RowBuffer:
     num_rows = int(jnp.shape(param)[0])
-    width = id_code.code_width(index_dtype(num_rows))
-    code = jnp.zeros((every_k * n, width), id_code.CODE_DTYPE)
+    ids = jnp.full((every_k * n,), num_rows, index_dtype(num_rows))
     values = jnp.zeros((every_k * n,) + tuple(jnp.shape(param)[1:]),
                        jnp.result_type(param))
-    # Marked distinct so that flattening the state keeps the slots as they
-    # are; `update_fn` hands `tx` the buffer marked as it is.
-    return SparseRows._from_code(  # pylint: disable=protected-access
-        code, values, num_rows, distinct=True)
+    return RowBuffer(ids, values)
 
   def init_fn(params):
     found = set()
@@ -126,7 +144,7 @@ def multi_steps(
     if acc is None:
       return None
     scale = 1.0 / every_k if use_grad_mean else 1.0
-    if not isinstance(acc, SparseRows):
+    if not isinstance(acc, RowBuffer):
       if isinstance(g, SparseRows):
         name = path_name(path)
         raise ValueError(
@@ -136,7 +154,7 @@ def multi_steps(
             f'{name!r}: <ids per step> to ids_per_step.')
       return acc + jnp.asarray(g) * scale
     name = path_name(path)
-    n = acc.num_ids // every_k
+    n = acc.ids.shape[0] // every_k
     if not isinstance(g, SparseRows) or g.num_ids != n:
       got = (f'a SparseRows of {g.num_ids} ids' if isinstance(g, SparseRows)
              else 'a dense gradient')
@@ -145,11 +163,12 @@ def multi_steps(
           f'step for parameter {name}, got {got}.')
     g.check(f'parameter {name}')
     start = slot * n
-    code = jax.lax.dynamic_update_slice_in_dim(acc.code, g.code, start, 0)
+    ids = jax.lax.dynamic_update_slice_in_dim(
+        acc.ids, g.safe_ids(f'parameter {name}').astype(acc.ids.dtype),
+        start, 0)
     values = jax.lax.dynamic_update_slice_in_dim(
         acc.values, (g.values * scale).astype(acc.values.dtype), start, 0)
-    return SparseRows._from_code(  # pylint: disable=protected-access
-        code, values, acc.num_rows, distinct=True)
+    return RowBuffer(ids, values)
 
   def update_fn(updates, state, params=None, **extra_args):
     acc = jax.tree_util.tree_map_with_path(
@@ -158,12 +177,11 @@ def multi_steps(
     emit = state.mini_step == every_k - 1
 
     def do_update(_):
-      # The buffers keep their slots as written (repeated ids included); the
-      # gradient handed to `tx` says so, so that it sums them first.
+      # A buffer holds its slots as written, repeated ids included: `tx`
+      # sums them first, as for any gradient.
       grads = jax.tree.map(
-          lambda a: SparseRows._from_code(  # pylint: disable=protected-access
-              a.code, a.values, a.num_rows, distinct=False)
-          if isinstance(a, SparseRows) else a, acc, is_leaf=_is_leaf)
+          lambda a, g: SparseRows.from_unique(a.ids, a.values, g.num_rows)
+          if isinstance(a, RowBuffer) else a, acc, updates, is_leaf=_is_leaf)
       return inner.update(grads, state.inner_state, params, **extra_args)
 
     def skip(_):
@@ -172,8 +190,8 @@ def multi_steps(
       return zeros, state.inner_state
 
     new_updates, inner_state = jax.lax.cond(emit, do_update, skip, None)
-    fresh = jax.tree.map(jnp.zeros_like, acc)
-    acc = jax.tree.map(lambda z, a: jnp.where(emit, z, a), fresh, acc)
+    acc = jax.tree.map(lambda a, g: _emptied(a, g, emit), acc, updates,
+                       is_leaf=_is_leaf)
     return new_updates, MultiStepsState(
         mini_step=(state.mini_step + 1) % every_k,
         gradient_step=jnp.where(emit,

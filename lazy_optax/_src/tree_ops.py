@@ -113,18 +113,14 @@ def _gather_rows(x: SparseRows, axis_name: Any, divide: bool) -> SparseRows:
         jax.lax.dynamic_update_slice_in_dim(buffer, leaf, start, 0),
         axis_name)
 
-  values = gathered(x.values)
-  if divide:
-    values = values / size
-  if _trusted(x):
-    return SparseRows.from_unique(gathered(x.ids), values, x.num_rows)
-  return SparseRows._from_code(  # pylint: disable=protected-access
-      gathered(x.code), values, x.num_rows, distinct=False)
-
-
-def _trusted(x: SparseRows) -> bool:
-  """Whether `x` was built by lazy_optax (its ids are known, not decoded)."""
-  return x._ids is not None  # pylint: disable=protected-access
+  if x.has_trusted_ids:
+    out = SparseRows.from_unique(gathered(x.ids), gathered(x.values),
+                                 x.num_rows)
+  else:
+    # Ids read from a code: gather the code itself (its leaves), so that
+    # damage it carries stays visible where the result is consumed.
+    out = jax.tree.map(gathered, x)
+  return out / size if divide else out
 
 
 def _reduce(tree: Any, axis_name: Any, mean: bool) -> Any:

@@ -8,6 +8,7 @@ do instead.
 from __future__ import annotations
 
 from typing import Any
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,50 @@ def reduced_values_message(where: str, axes: Any) -> str:
       'with lazy_optax.value_and_grad (or differentiate with respect to the '
       'looked-up rows, which vary with the ids), then combine devices with '
       'lazy_optax.tree.psum or lazy_optax.tree.pmean.')
+
+
+SPARSE_ROWS_CLASS_HINT = (
+    "<class 'lazy_optax.SparseRows'> (a row-sparse gradient of the "
+    'parameter at that key path, which code that pairs it with a dense '
+    'tree cannot take: apply updates with lazy_optax.apply_updates '
+    '(Equinox: lazy_optax.equinox.apply_updates, not '
+    'eqx.apply_updates), give a table that optax.partition routes to a '
+    'plain optax optimizer a lazy one (lazy_optax.lazy(...)), use '
+    'lazy_optax.wrappers.multi_steps instead of optax.MultiSteps and '
+    'lazy_optax.tree.path_labels as the label function of optax.partition, '
+    'and put other transformations inside lazy_optax.lazy(...))')
+
+
+def ids_argument(ids: Any, indices: Any, values: Any, num_rows: Any,
+                 missing: Any) -> Any:
+  """`SparseRows`'s ids, given as `ids` or as the deprecated `indices`."""
+  if indices is not missing:
+    if ids is not missing:
+      raise TypeError('SparseRows: pass the row ids once, as ids (indices '
+                      'is its deprecated name).')
+    warnings.warn(
+        'SparseRows(indices=...) is deprecated and will be removed after '
+        'lazy_optax 0.2: use SparseRows(ids=...).', DeprecationWarning,
+        stacklevel=3)
+    ids = indices
+  for name, given in (('ids', ids), ('values', values),
+                      ('num_rows', num_rows)):
+    if given is missing:
+      raise TypeError(f'SparseRows() missing required argument: {name!r}.')
+  return ids
+
+
+def parts_of_one_table(shapes: list[Any]) -> None:
+  """`SparseRows.concatenate`'s parts: `SparseRows` (shape) of one table."""
+  if not shapes or any(shape is None for shape in shapes):
+    raise TypeError('SparseRows.concatenate takes a non-empty sequence of '
+                    'SparseRows.')
+  for shape in shapes[1:]:
+    if shape != shapes[0]:
+      raise ValueError(
+          'SparseRows.concatenate: the parts stand for arrays of different '
+          f'shapes, {shapes[0]} and {shape}; only gradients of one table can '
+          'be combined.')
 
 
 def num_rows(value: Any) -> int:

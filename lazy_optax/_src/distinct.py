@@ -1,0 +1,199 @@
+"""Distinct rows: where a `SparseRows` sums its repeated ids, and reads them.
+
+A `SparseRows` sums the values of repeated ids when it is built (`from_ids`),
+in as many slots as there were ids: the distinct ids ascending in the front
+slots, id `num_rows` (no row) with zero values in the rest. Out-of-range ids
+touch no row either; they are kept in unused slots so that the checked mode
+can still name them. So its pytree leaves are distinct rows as they are, and
+what reads them (`distinct_rows`, for `lazy(...)`) does no work, except for
+rows read back from an id code that tree arithmetic may have reordered.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple, TYPE_CHECKING
+
+import jax
+import jax.numpy as jnp
+
+from lazy_optax._src import dedup
+from lazy_optax._src import id_code
+from lazy_optax._src import sharding as _sharding
+from lazy_optax._src import validate
+
+if TYPE_CHECKING:
+  from lazy_optax._src.sparse_rows import SparseRows
+
+
+def rows_nonzero(values: jax.Array) -> jax.Array:
+  """Per row, whether any entry is not zero (NaN counts as not zero)."""
+  return jnp.any(values.reshape(values.shape[0], -1) != 0, axis=1)
+
+
+def check_varying(ids_or_code: jax.Array, values: jax.Array,
+                  where: str) -> None:
+  """Refuses values that do not vary over mesh axes the ids vary over.
+
+  Such values were summed across devices already (autodiff of a replicated
+  input inside `shard_map`) while the ids stayed per device.
+  """
+  missing = (_sharding.varying_axes(ids_or_code)
+             - _sharding.varying_axes(values))
+  if missing:
+    raise ValueError(validate.reduced_values_message(where, sorted(missing)))
+
+
+def _with_out_of_range(unique_ids: jax.Array, ids: jax.Array,
+                       outside: jax.Array, num_rows: int) -> jax.Array:
+  """`unique_ids` whose unused slots also hold the out-of-range ids.
+
+  There are at least as many unused slots as out-of-range ids.
+  """
+  n = ids.shape[0]
+  unused = unique_ids == num_rows
+  unused_rank = jnp.cumsum(unused.astype(jnp.int32)) - 1
+  kth_unused = jnp.zeros((n,), jnp.int32).at[
+      jnp.where(unused, unused_rank, n)].set(jnp.arange(n, dtype=jnp.int32),
+                                             mode='drop')
+  outside_rank = jnp.cumsum(outside.astype(jnp.int32)) - 1
+  target = jnp.where(outside, kth_unused[outside_rank], n)
+  return unique_ids.at[target].set(ids, mode='drop')
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def from_ids(ids: jax.Array, values: jax.Array,
+             num_rows: int) -> tuple[jax.Array, jax.Array]:
+  """Distinct ids and summed values of `(ids, values)`, in `N` slots.
+
+  Args:
+    ids: integer vector `[N]`, any values (out-of-range ones touch no row).
+    values: `[N, *row_shape]`.
+    num_rows: the table's row count.
+
+  Returns:
+    `(ids, values)` of the same shapes and dtypes.
+  """
+  # Refused before the sums below hide it.
+  check_varying(ids, values, 'SparseRows')
+  if ids.shape[0] == 0:
+    return ids, values
+  ids = _sharding.replicate_if_explicit(ids)
+  values = _sharding.replicate_if_explicit(values)
+  outside = (ids < 0) | (ids > num_rows)
+  safe = jnp.where(outside, jnp.asarray(num_rows, ids.dtype), ids)
+  unique_ids, summed = dedup.unique_rows(safe, values, num_rows)
+  # Only a batch with out-of-range ids pays for keeping them.
+  unique_ids = jax.lax.cond(
+      jnp.any(outside),
+      lambda u: _with_out_of_range(u, ids, outside, num_rows),
+      lambda u: u, unique_ids)
+  return unique_ids, summed
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def from_code(code: jax.Array, values: jax.Array,
+              num_rows: int) -> tuple[jax.Array, jax.Array]:
+  """`from_ids` for rows held as an id code (a damaged code passes as it is).
+
+  Args:
+    code: the id code `[N, C]`.
+    values: `[N, *row_shape]`.
+    num_rows: the table's row count.
+
+  Returns:
+    `(code, values)`: of the distinct rows when every entry is intact, else
+    as given, so that the consumer still sees (and reports) the damage.
+  """
+  decoded = id_code.decode(code, id_code.index_dtype(num_rows))
+  emptied = decoded.empty & rows_nonzero(values)
+  ok = jnp.all((decoded.intact | decoded.empty) & ~emptied)
+  ids = jnp.where(decoded.intact, decoded.ids,
+                  jnp.asarray(num_rows, decoded.ids.dtype))
+  unique_ids, summed = from_ids(ids, values, num_rows)
+  return (jnp.where(ok, id_code.encode(unique_ids), code),
+          jnp.where(ok, summed, values))
+
+
+class UniqueRows(NamedTuple):
+  """Deduplicated rows: `ids[k]` unique or `num_rows` (an unused slot)."""
+  ids: jax.Array
+  values: jax.Array
+
+
+def prepare(grad: SparseRows, where: str) -> tuple[jax.Array, jax.Array, int]:
+  """A `SparseRows`'s `(safe ids, values, num_rows)`, checked.
+
+  Under an Explicit mesh the global batch is gathered first (see sharding).
+
+  Args:
+    grad: a `SparseRows`.
+    where: what `grad` is, for messages.
+
+  Returns:
+    `(ids, values, num_rows)` with every id that must touch no row set to
+    `num_rows`.
+  """
+  grad.check(where)
+  ids = _sharding.replicate_if_explicit(grad.safe_ids(where))
+  if ids.shape[0] == 0:
+    return ids, grad.values, grad.num_rows
+  values = _sharding.replicate_if_explicit(grad.values)
+  return ids, values, grad.num_rows
+
+
+def distinct_rows(grad: SparseRows, where: str) -> tuple[jax.Array, jax.Array]:
+  """A `SparseRows`'s distinct ids and summed values, checked.
+
+  Its rows are distinct already; only rows read back from an id code are
+  tested (their ids must still increase: tree arithmetic that concatenated
+  or permuted the leaves falls back to `dedup.unique_rows` under `lax.cond`).
+
+  Args:
+    grad: a `SparseRows`.
+    where: what `grad` is, for messages.
+
+  Returns:
+    `(ids, values)`: ids `[N]` distinct or `num_rows`, values zero in the
+    slots that name no row.
+  """
+  ids, values, num_rows = prepare(grad, where)
+  if ids.shape[0] == 0:
+    return ids, values
+
+  def as_they_are(ids, values):
+    keep = (ids < num_rows).reshape(ids.shape + (1,) * (values.ndim - 1))
+    return ids, jnp.where(keep, values, jnp.zeros_like(values))
+
+  if grad.has_trusted_ids:  # built here: distinct, unused slots hold zeros
+    return ids, values
+  return jax.lax.cond(dedup.increasing(ids, num_rows), as_they_are,
+                      lambda i, v: dedup.unique_rows(i, v, num_rows), ids,
+                      values)
+
+
+def deduplicate(grad: SparseRows, where: str | None = None) -> UniqueRows:
+  """Sums the values of repeated ids into one slot per distinct id.
+
+  The result keeps static shapes: as many slots as there were ids. Slots left
+  over hold id `num_rows` (one past the last row) and zero values, so that a
+  scatter with `mode="drop"` ignores them; out-of-range and damaged ids land
+  there too.
+
+  Args:
+    grad: a `SparseRows`.
+    where: what `grad` is, for messages (`'parameter emb/table'`).
+
+  Returns:
+    A `UniqueRows` with `ids` of shape `[N]` and `values` of shape
+    `[N, *row_shape]`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from lazy_optax import SparseRows
+    >>> from lazy_optax.tree import deduplicate
+    >>> u = deduplicate(SparseRows(jnp.array([3, 1, 3]), jnp.ones((3, 1)), 5))
+    >>> u.ids, u.values[:, 0]
+    (Array([1, 3, 5], dtype=int32), Array([1., 2., 0.], dtype=float32))
+  """
+  return UniqueRows(*distinct_rows(grad, where or 'a SparseRows'))
