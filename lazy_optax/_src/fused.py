@@ -81,6 +81,9 @@ class RowRule(NamedTuple):
       NamedTuple with the fields of the kernel's `Hyper`, in order).
     needs_params: whether `new_rows`, `step` or the kernel read the
       parameter rows.
+    step_reads_old_rows: whether `step` also takes the old state rows, as
+      `step(g, stored, params, hyper, rows)` (a rule whose step depends on
+      more than the new state, such as the steps since a row's last update).
   """
   name: str
   new_rows: Callable[..., dict[str, jax.Array]]
@@ -89,6 +92,7 @@ class RowRule(NamedTuple):
   kernel: Optional[str] = None
   kernel_hyper: Optional[Callable[..., Any]] = None
   needs_params: bool = False
+  step_reads_old_rows: bool = False
 
 
 class Block(NamedTuple):
@@ -242,11 +246,18 @@ def _choose(rule: RowRule, impl: str, g: Any,
   return 'generic', f'no CPU kernel: {refusal}'
 
 
+def _step(rule: RowRule, g: Any, stored: dict[str, Any], params: Any,
+          hyper: Any, rows: dict[str, Any]) -> Any:
+  if rule.step_reads_old_rows:
+    return rule.step(g, stored, params, hyper, rows)
+  return rule.step(g, stored, params, hyper)
+
+
 def _dense(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
            hyper: Any) -> tuple[Any, dict[str, Any]]:
   new = rule.new_rows(g, rows, params, hyper)
   stored = {k: new[k].astype(rows[k].dtype) for k in rows}
-  return rule.step(g, stored, params, hyper).astype(g.dtype), stored
+  return _step(rule, g, stored, params, hyper, rows).astype(g.dtype), stored
 
 
 def _xla_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
@@ -261,7 +272,7 @@ def _xla_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
   out = {k: row_ops.put(tables[k], ids, stored[k]) for k in tables}
   if reread:
     stored = {k: row_ops.gather(out[k], ids) for k in out}
-  return out, rule.step(g, stored, params, hyper).astype(g.dtype)
+  return out, _step(rule, g, stored, params, hyper, rows).astype(g.dtype)
 
 
 def _kernel_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
