@@ -13,12 +13,16 @@ call swapped for the baseline's (each revision's own calling convention; the
 rest of the step is the same code). The two are run interleaved, step by
 step, from the same table; the script prints the median CPU time per step
 (`time.process_time`, all threads) and wall time of each, their ratio, and
-whether the two runs' tables and states are bit for bit equal.
+whether the two runs' tables and states are bit for bit equal. Before that,
+every rule kernel of both revisions is called on the same random operands,
+for each combination of float32 and bfloat16 state tables, and the tables
+and update rows compared bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import subprocess
 import sys
@@ -82,6 +86,67 @@ def baseline_rule(target, ids, grads, hyper, params, tables):
   out = call(ids.astype(jnp.int32), grads.astype(jnp.float32),
              hyper.astype(jnp.float32), *reads, *tables)
   return tuple(out[:-1]), out[-1]
+
+
+# Per target: the state tables' widths (True: one value per row) and the
+# hyperparameters (valid values, in the record's order).
+_RULES = {
+    'LazyOptaxAdam': ((False, False), (0.9, 0.1, 0.999, 0.001, 1e-8, 0.0,
+                                       0.3)),
+    'LazyOptaxAmsgrad': ((False, False, False),
+                         (0.9, 0.1, 0.999, 0.001, 1e-8, 1e-9, 0.3)),
+    'LazyOptaxRowwiseAdagrad': ((True,), (1e-8, 0.1)),
+    'LazyOptaxPartialRowwiseAdam': ((False, True), (0.9, 0.1, 0.999, 0.001,
+                                                    1e-8, 0.0, 0.27, 0.003)),
+    'LazyOptaxFtrl': ((False, False), (0.1, 0.5, 0.01, 0.1, 0.05, 0.3)),
+}
+
+
+def _call_rule(call, target, ids, g, h, p, tables):
+  return call(target, ids, g, h, p, tables)
+
+
+def check_bits() -> list[str]:
+  """Every rule kernel, both revisions, every storage combination: the
+  targets whose results differ in any bit (or in NaN-ness)."""
+  import itertools  # pylint: disable=g-import-not-at-top
+
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  from lazy_optax._src import cpu_kernels  # pylint: disable=g-import-not-at-top
+  assert cpu_kernels.ensure_loaded().loaded
+  rng = np.random.default_rng(0)
+  rows, n, w = 300, 64, 24
+  ids = jnp.asarray(np.concatenate([rng.choice(rows, n - 2, replace=False),
+                                    [-1, rows]]), jnp.int32)
+  g = jnp.asarray(rng.normal(size=(n, w)), jnp.float32)
+  p = jnp.asarray(rng.normal(size=(n, w)), jnp.float32)
+  differ = []
+  for target, (per_row, hyper) in _RULES.items():
+    h = jnp.asarray(hyper, jnp.float32)
+    for dtypes in itertools.product((jnp.float32, jnp.bfloat16),
+                                    repeat=len(per_row)):
+      if target == 'LazyOptaxAmsgrad' and dtypes[1] != dtypes[2]:
+        continue  # nu_max has nu's dtype (the baseline refuses others)
+      out = []
+      for call in (baseline_rule, cpu_kernels.rule):
+        t_rng = np.random.default_rng(1)
+        tables = tuple(
+            jnp.asarray(np.abs(t_rng.normal(size=(rows,) if r else (rows, w))),
+                        d) for r, d in zip(per_row, dtypes))
+        run = jax.jit(functools.partial(_call_rule, call, target))
+        new, u = run(ids, g, h, p, tables)
+        out.append([np.asarray(x) for x in (*new, u)])
+      for a, b in zip(*out):
+        a32, b32 = a.astype(np.float32), b.astype(np.float32)
+        if not (np.array_equal(a.reshape(-1).view(np.uint8),
+                               b.reshape(-1).view(np.uint8))
+                or np.array_equal(np.isnan(a32), np.isnan(b32))
+                and np.array_equal(a32[~np.isnan(a32)], b32[~np.isnan(b32)])):
+          differ.append(f'{target}{[jnp.dtype(d).name for d in dtypes]}')
+          break
+  return differ
 
 
 def compare(contender: str, steps: int) -> dict:
@@ -148,6 +213,9 @@ def main() -> None:
   args = parser.parse_args()
   with tempfile.TemporaryDirectory() as folder:
     register_baseline(build_baseline(args.baseline, folder))
+    differ = check_bits()
+    print('every rule kernel, float32 and bfloat16 tables: '
+          + (f'DIFFER {differ}' if differ else 'bit for bit equal'))
     for contender in args.contenders.split(','):
       r = compare(contender, args.steps)
       print(f"{r['contender']:16s} CPU {r['baseline_cpu_ms']:.3f} -> "
