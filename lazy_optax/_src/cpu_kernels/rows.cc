@@ -559,12 +559,14 @@ struct Row {
   }
 };
 
-// The slot's own rows: gradient, parameters (or the gradient) and update.
+// The slot's own rows: gradient, parameters (or the gradient) and update,
+// their width and its inverse (for means over a row).
 struct RowIo {
   const float* __restrict__ g;
   const float* __restrict__ p;
   float* __restrict__ u;
   int64_t w;
+  float inv_w;
 };
 
 // The sum of x[k]^2 over a row, in 8 running sums (so that it vectorizes).
@@ -587,6 +589,7 @@ void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
               std::index_sequence<I...>, typename S::T*... tables) {
   // Values per table row: one (per row) or w (per entry).
   const int64_t width[] = {(Rule::kPerRow[I] ? int64_t{1} : w)...};
+  const float inv_w = 1.0f / static_cast<float>(w);
   ParallelFor(pool, n, w, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       if (s + kPrefetchAhead < end && Named(ids[s + kPrefetchAhead], rows)) {
@@ -597,7 +600,7 @@ void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
       }
       const int64_t r = ids[s];
       if (!Named(ids[s], rows)) continue;
-      Rule::Row(h, RowIo{g + s * w, params + s * w, out + s * w, w},
+      Rule::Row(h, RowIo{g + s * w, params + s * w, out + s * w, w, inv_w},
                 Row<S>{tables + r * width[I]}...);
     }
   });
@@ -741,8 +744,7 @@ struct RowwiseAdagradRule {
       for (int64_t k = 0; k < w; ++k) io.u[k] = io.g[k] + h.l2 * io.p[k];
       g = io.u;
     }
-    const float a =
-        acc.Put(0, acc[0] + SumOfSquares(g, w) * (1.0f / static_cast<float>(w)));
+    const float a = acc.Put(0, acc[0] + SumOfSquares(g, w) * io.inv_w);
     const float denom = std::sqrt(a) + h.eps;
     for (int64_t k = 0; k < w; ++k) io.u[k] = g[k] / denom;
   }
@@ -763,9 +765,8 @@ struct PartialRowwiseAdamRule {
   __attribute__((always_inline)) static void Row(const Hyper& h,
                                                  const RowIo& io, M m, V nu) {
     const int64_t w = io.w;
-    const float v = nu.Put(0, h.b2 * nu[0] + h.one_minus_b2 *
-                                  (SumOfSquares(io.g, w) *
-                                   (1.0f / static_cast<float>(w))));
+    const float v = nu.Put(
+        0, h.b2 * nu[0] + h.one_minus_b2 * (SumOfSquares(io.g, w) * io.inv_w));
     const float denom = std::sqrt(v / h.bias_correction2 + h.eps_root) + h.eps;
     for (int64_t k = 0; k < w; ++k) {
       const float mk = m.Put(k, h.b1 * m[k] + h.one_minus_b1 * io.g[k]);
