@@ -6,8 +6,10 @@ model (tests/reference.py), the state slots to compare with the model, and
 the chain of `scale_by_...` transformations that must give the same rule.
 `CASES` holds one case per optimizer (every property is checked on each);
 `RULE_CASES` adds the other configurations whose rule is checked against the
-model. A new optimizer, or a new implementation of one (`impl`, for example
-a kernel), is one more `Case`.
+model; `IMPL_CASES` runs each of those on every implementation its optimizer
+offers (`impls`: 'generic', 'xla', 'cpu_kernel'). A new optimizer is one
+more `Case` (and its `impls`); this is the only registry of optimizers the
+tests keep.
 
 Shared helpers: `batches` (ids with heavy duplicates and rows that go
 absent), `run` (a jitted, donated training loop on one table), `untouched`,
@@ -68,7 +70,9 @@ class Case:
   atol: float = 1e-6
   table_scale: float = 1.0            # ftrl starts from small weights
   steps: int = 12
-  # Where a kernel implementation plugs in: a case per implementation.
+  # The implementations the optimizer offers (its `impl=` values), and the
+  # one this case asks for (None: the default, 'auto').
+  impls: tuple[str, ...] = ()
   impl: Optional[str] = None
 
   def make(self, lr: Any = None) -> optax.GradientTransformation:
@@ -90,6 +94,7 @@ def _scaled(scale_by: Callable[..., Any], lr: float, **kw: Any):
       optax.scale_by_learning_rate(lr)))
 
 
+_ALL_IMPLS = ('generic', 'xla', 'cpu_kernel')
 _ADAM_SLOTS = (Slot('m', 'm', 2e-5, 1e-7), Slot('v', 'v', 2e-5, 1e-9))
 _BF16 = jnp.bfloat16
 
@@ -100,7 +105,7 @@ LAZY_ADAM = Case(
     dtypes=(Dtypes(_BF16, {}, {'m': _BF16, 'v': _BF16}, 3e-2),
             Dtypes(_BF16, dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32),
                    {'m': jnp.float32, 'v': jnp.float32}, 3e-2)),
-    steps=25)
+    steps=25, impls=_ALL_IMPLS)
 
 ROWWISE_ADAGRAD = Case(
     'rowwise_adagrad', lazy_optax.rowwise_adagrad, 0.1, {},
@@ -110,7 +115,7 @@ ROWWISE_ADAGRAD = Case(
     dtypes=(Dtypes(_BF16, {}, {'sum_of_squares': jnp.float32}, 3e-2),
             Dtypes(jnp.float32, dict(accumulator_dtype=_BF16),
                    {'sum_of_squares': _BF16}, 2e-2)),
-    rtol=1e-5)
+    rtol=1e-5, impls=_ALL_IMPLS)
 
 PARTIAL_ROWWISE_ADAM = Case(
     'partial_rowwise_adam', lazy_optax.partial_rowwise_adam, 0.05, {},
@@ -120,7 +125,7 @@ PARTIAL_ROWWISE_ADAM = Case(
     dtypes=(Dtypes(_BF16, {}, {'mu': _BF16, 'nu': jnp.float32}, 3e-2),
             Dtypes(jnp.float32, dict(mu_dtype=_BF16, nu_dtype=_BF16),
                    {'mu': _BF16, 'nu': _BF16}, 1e-2)),
-    steps=15)
+    steps=15, impls=_ALL_IMPLS)
 
 FTRL = Case(
     'ftrl', lazy_optax.ftrl, 0.1, dict(l1=0.01, beta=0.3),
@@ -136,7 +141,7 @@ FTRL = Case(
             Dtypes(jnp.float32, dict(accumulator_dtype=_BF16,
                                      linear_dtype=_BF16),
                    {'accumulator': _BF16, 'linear': _BF16}, 1e-2)),
-    rtol=1e-5, table_scale=0.1)
+    rtol=1e-5, table_scale=0.1, impls=_ALL_IMPLS)
 
 ADAM_WITH_COUNTER = Case(
     'adam_with_counter', lazy_optax.adam_with_counter, 0.05,
@@ -151,7 +156,7 @@ ADAM_WITH_COUNTER = Case(
     dtypes=(Dtypes(_BF16, dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32),
                    {'m': jnp.float32, 'v': jnp.float32,
                     'row_count': jnp.int32}, 3e-2),),
-    rtol=3e-5, steps=14)
+    rtol=3e-5, steps=14, impls=('generic', 'xla'))
 
 OPTAX_ADAM = Case(
     'lazy(optax.adam)',
@@ -239,6 +244,17 @@ RULE_CASES = CASES + (
 )
 
 BY_NAME = {case.name: case for case in RULE_CASES}
+
+
+def with_impl(case: Case, impl: str) -> Case:
+  """`case` asking for implementation `impl` (one of its `impls`)."""
+  assert impl in case.impls, (case.name, impl)
+  return dataclasses.replace(case, name=f'{case.name}[{impl}]', impl=impl)
+
+
+# Every configuration on every implementation its optimizer offers.
+IMPL_CASES = tuple(with_impl(case, impl) for case in RULE_CASES
+                   for impl in case.impls)
 
 
 # -- helpers -----------------------------------------------------------------

@@ -1,9 +1,13 @@
 """What every optimizer must do, checked on each against its float64 model.
 
 The optimizers and their models are listed in tests/optimizer_cases.py:
-`RULE_CASES` (every configuration) for the rule, `CASES` (one per optimizer)
-for the other properties:
+`RULE_CASES` (every configuration) for the rule, `IMPL_CASES` (each of those
+on every implementation: 'generic', 'xla', 'cpu_kernel') for the fused row
+updates, `CASES` (one per optimizer) for the other properties:
 
+* every implementation: the one asked for runs (`explain_update`, the
+  compiled program), trains as the model and as 'generic' does, in float32
+  and 16-bit tables and states, untouched rows bit for bit;
 * the rule: trained with heavy duplicates and rows that go absent, the table
   and every state slot equal the float64 model, jitted or not; rows never
   touched stay bit for bit as they started, in the table and every slot;
@@ -33,6 +37,7 @@ from optimizer_cases import BY_NAME
 from optimizer_cases import CASES
 from optimizer_cases import count_of
 from optimizer_cases import D
+from optimizer_cases import IMPL_CASES
 from optimizer_cases import NUM_ROWS
 from optimizer_cases import RULE_CASES
 from optimizer_cases import run
@@ -42,6 +47,7 @@ from optimizer_cases import slot
 from optimizer_cases import sparse_step
 from optimizer_cases import table_for
 from optimizer_cases import untouched
+from optimizer_cases import with_impl
 import pytest
 from sharded_checks import run_checks
 
@@ -76,6 +82,99 @@ def test_rule_matches_float64_model(case, jit):
     got = np.asarray(slot(state, s.name))
     np.testing.assert_array_equal(got[rows], _initial(case, s.name, got.dtype),
                                   err_msg=s.name)
+
+
+# -- every implementation ---------------------------------------------------
+
+def _with_out_of_range(data, num_rows, row_shape):
+  """`data` and a batch whose ids fall outside the table on both sides."""
+  rng = np.random.default_rng(5)
+  ids = np.array([-2, 3, num_rows, 3, num_rows + 5, -1, 7, 1], np.int32)
+  return data + [(ids, rng.normal(size=(8, *row_shape)).astype(np.float32))]
+
+
+def _program(tx, params, state, grads):
+  def step(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+  return jax.jit(step).lower(params, state, grads).compile().as_text()
+
+
+def _assert_implementation_runs(case, tx, table, row_shape):
+  """`explain_update` and the compiled step say `case.impl` runs."""
+  params = {'table': jnp.asarray(table)}
+  grads = {'table': SparseRows(jnp.zeros((4,), jnp.int32),
+                               jnp.zeros((4, *row_shape), table.dtype),
+                               NUM_ROWS)}
+  state = tx.init(params)
+  choice = lazy_optax.explain_update(tx, grads, state, params)['table']
+  assert choice.impl == case.impl, choice
+  rule_kernel = 'lazy_optax_LazyOptax' + ''.join(
+      w.capitalize() for w in choice.rule.split('_'))
+  has_kernel = rule_kernel in _program(tx, params, state, grads)
+  assert has_kernel == (case.impl == 'cpu_kernel'), (rule_kernel, choice)
+
+
+@pytest.mark.parametrize('case', IMPL_CASES, ids=str)
+def test_each_implementation_matches_the_model_and_generic(case):
+  table = table_for(case)
+  data = _with_out_of_range(
+      batches(1, NUM_ROWS, (D,), steps=case.steps, n_ids=16), NUM_ROWS, (D,))
+  tx = case.make()
+  _assert_implementation_runs(case, tx, np.asarray(table, np.float32), (D,))
+  params, state = run(tx, table, data)
+  assert_matches_model(case, params, state, run_model(case, table, data))
+  rows = untouched(data, NUM_ROWS)
+  assert rows.size > 5
+  np.testing.assert_array_equal(np.asarray(params['table'])[rows],
+                                table.astype(np.float32)[rows])
+  generic = run(with_impl(case, 'generic').make(), table, data)
+  for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves(generic)):
+    assert (a.dtype, a.shape) == (b.dtype, b.shape)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
+                               atol=1e-6)
+
+
+_IMPL_DTYPE_CASES = [(case, i) for case in IMPL_CASES
+                     if case.impl != 'generic' and case.name.startswith(
+                         tuple(f'{c.name}[' for c in CASES))
+                     for i in range(len(case.dtypes))]
+
+
+@pytest.mark.parametrize('case, i', _IMPL_DTYPE_CASES,
+                         ids=[f'{c.name}-{i}' for c, i in _IMPL_DTYPE_CASES])
+def test_each_implementation_of_16bit_tables_and_states_equals_generic(case,
+                                                                       i):
+  # Rows of shape (2, 3); float32 state of bfloat16 tables and bfloat16
+  # state of float32 tables.
+  config = case.dtypes[i]
+  rng = np.random.default_rng(7)
+  table = case.table_scale * rng.normal(size=(NUM_ROWS, 2, 3))
+  data = _with_out_of_range(batches(3, NUM_ROWS, (2, 3), steps=6, n_ids=12),
+                            NUM_ROWS, (2, 3))
+
+  def make(impl):
+    return case.fn(case.lr, **{**case.kwargs, **config.kwargs, 'impl': impl})
+
+  tx = make(case.impl)
+  _assert_implementation_runs(case, tx, np.asarray(table, config.table),
+                              (2, 3))
+  params, state = run(tx, table, data, dtype=config.table)
+  generic = run(make('generic'), table, data, dtype=config.table)
+  rows = untouched(data, NUM_ROWS)
+  assert rows.size
+  for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves(generic)):
+    assert (a.dtype, a.shape) == (b.dtype, b.shape)
+    a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    if a.ndim and a.shape[0] == NUM_ROWS:
+      np.testing.assert_array_equal(a32[rows], b32[rows])
+    # Contracted multiply-adds may move a 16-bit value by one step.
+    np.testing.assert_allclose(a32, b32, rtol=2e-2, atol=1e-2)
+  for name, dtype in config.slot_dtypes.items():
+    assert slot(state, name).dtype == dtype, name
+  np.testing.assert_array_equal(
+      np.asarray(params['table'], np.float32)[rows],
+      np.asarray(jnp.asarray(table, config.table), np.float32)[rows])
 
 
 @each_case

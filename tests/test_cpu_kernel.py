@@ -1,5 +1,6 @@
 """The CPU kernels: every composition reaches them, right, optional."""
 
+import collections
 import functools
 import os
 import subprocess
@@ -234,3 +235,60 @@ def test_vmapped_over_an_ensemble_equals_the_generic_path():
   # Member 1 summed its three ids into row 3 alone.
   table = np.asarray(with_kernel[0]['t'][1])
   assert (table[3] != 1).all() and (np.delete(table, 3, axis=0) == 1).all()
+
+
+def _rules_with_kernels():
+  from lazy_optax._src import adam  # pylint: disable=g-import-not-at-top
+  from lazy_optax._src import ftrl  # pylint: disable=g-import-not-at-top
+  from lazy_optax._src import partial_rowwise_adam  # pylint: disable=g-import-not-at-top
+  from lazy_optax._src import rowwise_adagrad  # pylint: disable=g-import-not-at-top
+  moments = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, count=3)
+  return [
+      (adam._adam_rule(False), moments),  # pylint: disable=protected-access
+      (adam._adam_rule(True), moments),  # pylint: disable=protected-access
+      (rowwise_adagrad._rule(True), dict(eps=1e-8, l2=0.1)),  # pylint: disable=protected-access
+      (partial_rowwise_adam._rule(), moments),  # pylint: disable=protected-access
+      (ftrl._rule(), dict(lr=0.1, power=0.5, l1=0.0, l2=0.0,  # pylint: disable=protected-access
+                          l2_shrinkage=0.0, beta=0.0)),
+  ]
+
+
+def test_each_rule_record_lists_its_kernel_struct_fields_in_order():
+  # The Python record a rule builds and the C++ struct its kernel reads are
+  # declared apart; the library exports the struct's field names.
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  rules = _rules_with_kernels()
+  assert sorted(r.kernel for r, _ in rules) == sorted(cpu_kernels.RULES)
+  for rule, hyper in rules:
+    record = rule.kernel_hyper(hyper)
+    assert type(record)._fields == cpu_kernels.fields(rule.kernel), rule.name
+    assert len(cpu_kernels.fields(rule.kernel)) >= 2
+    assert cpu_kernels.pack(rule.kernel, record).shape == (len(record),)
+    # A record with two fields swapped is refused, naming both orders.
+    names = list(type(record)._fields)
+    names[0], names[1] = names[1], names[0]
+    swapped = collections.namedtuple('Swapped', names)(*record)
+    with pytest.raises(TypeError, match='same order'):
+      cpu_kernels.pack(rule.kernel, swapped)
+
+
+def test_a_rule_kernel_given_the_wrong_operands_says_which():
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  ids = jnp.array([0, 2], jnp.int32)
+  g = jnp.ones((2, 4), jnp.float32)
+  mu = jnp.zeros((5, 4), jnp.float32)
+  h = jnp.zeros((7,), jnp.float32)
+  with pytest.raises(Exception, match='LazyOptaxAdam: state tables'):
+    jax.block_until_ready(cpu_kernels.rule('LazyOptaxAdam', ids, g, h, g,
+                                           (mu,)))
+  with pytest.raises(Exception, match='LazyOptaxAdam: hyperparameters'):
+    jax.block_until_ready(cpu_kernels.rule(
+        'LazyOptaxAdam', ids, g, h[:6], g, (mu, mu)))
+  with pytest.raises(Exception, match='LazyOptaxRowwiseAdagrad: state table '
+                     'shapes'):
+    jax.block_until_ready(cpu_kernels.rule(
+        'LazyOptaxRowwiseAdagrad', ids, g, h[:2], g, (mu,)))
+  new, u = cpu_kernels.rule('LazyOptaxRowwiseAdagrad', ids, g,
+                            jnp.array([1.0, 0.0]), g, (jnp.zeros(5),))
+  np.testing.assert_allclose(np.asarray(new[0]), [1, 0, 1, 0, 0])
+  np.testing.assert_allclose(np.asarray(u), np.full((2, 4), 0.5))

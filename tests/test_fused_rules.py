@@ -1,11 +1,10 @@
-"""Every optimizer's fused row update: the float64 rule, and the generic path.
+"""The row kernels that every rule shares, and how `impl=` is chosen.
 
-For each optimizer a table uses, the CPU kernel (`impl='cpu_kernel'`) and
-XLA's row update (`impl='xla'`) train a table as the generic path
-(`impl='generic'`: `lazy(...)` gathers, runs the rule on the row blocks,
-writes back) does, and as the float64 NumPy model of the rule does: the
-touched rows to float32 rounding, the untouched rows bit for bit. Tables and
-moments in float32 and bfloat16.
+Each optimizer's rule on each implementation ('generic', 'xla',
+'cpu_kernel') is checked by the conformance suite over the one registry of
+optimizers (tests/optimizer_cases.py's `IMPL_CASES`). Here: optax's rules
+through the C++ deduplication, gathers and scatter-adds against pure XLA,
+dtypes the kernels refuse, and stochastic rounding in the kernel.
 """
 
 import functools
@@ -15,67 +14,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from reference import Ftrl
-from reference import PartialRowwiseAdam
-from reference import RowwiseAdagrad
-from reference import TFLazyAdam
 
 import lazy_optax
 from lazy_optax._src import cpu_kernels
 
 NUM_ROWS, ROW = 40, (2, 3)
-LR = 0.05
-
-# name: (make the optimizer given impl=..., float64 model given the table).
-OPTIMIZERS = {
-    'lazy_adam': (
-        lambda **kw: lazy_optax.lazy_adam(LR, **kw),
-        lambda t: TFLazyAdam(t, lr=LR)),
-    'lazy_adam_amsgrad': (
-        lambda **kw: lazy_optax.lazy_adam(LR, amsgrad=True, **kw),
-        lambda t: TFLazyAdam(t, lr=LR, amsgrad=True)),
-    'lazy_adamw': (
-        lambda **kw: lazy_optax.lazy_adamw(LR, weight_decay=0.1, **kw),
-        lambda t: TFLazyAdam(t, lr=LR, weight_decay=0.1)),
-    'rowwise_adagrad': (
-        lambda **kw: lazy_optax.rowwise_adagrad(LR, **kw),
-        lambda t: RowwiseAdagrad(t, lr=LR)),
-    'rowwise_adagrad_l2': (
-        lambda **kw: lazy_optax.rowwise_adagrad(
-            LR, weight_decay=0.1, weight_decay_mode='l2', **kw),
-        lambda t: RowwiseAdagrad(t, lr=LR, weight_decay=0.1, mode='l2')),
-    'rowwise_adagrad_decoupled': (
-        lambda **kw: lazy_optax.rowwise_adagrad(
-            LR, weight_decay=0.1, weight_decay_mode='decoupled', **kw),
-        lambda t: RowwiseAdagrad(t, lr=LR, weight_decay=0.1,
-                                 mode='decoupled')),
-    'partial_rowwise_adam': (
-        lambda **kw: lazy_optax.partial_rowwise_adam(LR, **kw),
-        lambda t: PartialRowwiseAdam(t, lr=LR)),
-    'ftrl': (
-        lambda **kw: lazy_optax.ftrl(LR, l1=0.001, l2=0.01, **kw),
-        lambda t: Ftrl(t, lr=LR, l1=0.001, l2=0.01)),
-}
-
-# (table dtype, state dtype keyword arguments per optimizer family).
-DTYPES = {
-    'f32': (jnp.float32, {}),
-    'bf16_table': (jnp.bfloat16, 'f32_state'),
-    'bf16_state': (jnp.float32, 'bf16_state'),
-}
-
-
-def _state_dtypes(name, kind):
-  """The keyword arguments that make `name`'s state float32 or bfloat16."""
-  if kind in ({}, None):
-    return {}
-  dtype = jnp.float32 if kind == 'f32_state' else jnp.bfloat16
-  if name.startswith(('lazy_adam', 'partial')):
-    return {'mu_dtype': dtype, 'nu_dtype': dtype}
-  if name.startswith('rowwise'):
-    return {'accumulator_dtype': dtype}
-  return {'accumulator_dtype': dtype, 'linear_dtype': dtype}
-
 
 def _batches(seed, steps=6):
   rng = np.random.default_rng(seed)
@@ -107,71 +50,6 @@ def _train(tx, table, batches):
 def _initial_table(dtype):
   rng = np.random.default_rng(7)
   return jnp.asarray(rng.normal(size=(NUM_ROWS,) + ROW) * 0.1, dtype)
-
-
-@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
-@pytest.mark.parametrize('impl', ['cpu_kernel', 'xla'])
-@pytest.mark.parametrize('dtypes', sorted(DTYPES))
-def test_fused_equals_generic_and_untouched_rows_stay(name, impl, dtypes):
-  table_dtype, state_kind = DTYPES[dtypes]
-  make, _ = OPTIMIZERS[name]
-  kw = _state_dtypes(name, state_kind)
-  table = _initial_table(table_dtype)
-  fused_tx, generic_tx = make(impl=impl, **kw), make(impl='generic', **kw)
-  choice = lazy_optax.explain_update(
-      fused_tx, {'table': lazy_optax.SparseRows(
-          jnp.zeros((12,), jnp.int32), jnp.zeros((12,) + ROW, table_dtype),
-          NUM_ROWS), 'w': jnp.zeros((3,))},
-      fused_tx.init({'table': table, 'w': jnp.ones((3,))}),
-      {'table': table, 'w': jnp.ones((3,))})['table']
-  assert choice.impl == impl, choice
-  p_fused, s_fused, step = _train(fused_tx, table, _batches(1))
-  p_generic, s_generic, _ = _train(generic_tx, table, _batches(1))
-  if impl == 'cpu_kernel':
-    hlo = step.lower(p_fused, s_fused, jnp.zeros((12,), jnp.int32),
-                     jnp.zeros((12,) + ROW, table_dtype)).as_text()
-    assert 'lazy_optax_LazyOptax' in hlo
-  touched = sorted({int(i) for ids, _ in _batches(1) for i in ids
-                    if 0 <= i < NUM_ROWS})
-  untouched = sorted(set(range(NUM_ROWS)) - set(touched))
-  assert untouched
-  for a, b in zip(jax.tree.leaves((p_fused, s_fused)),
-                  jax.tree.leaves((p_generic, s_generic))):
-    assert a.dtype == b.dtype and a.shape == b.shape
-    a32, b32 = np.asarray(a, np.float32), np.asarray(b, np.float32)
-    if a.ndim and a.shape[0] == NUM_ROWS:
-      np.testing.assert_array_equal(a32[untouched], b32[untouched])
-    # Rounding differences between the paths (contracted multiply-adds, the
-    # order of the summed duplicates) may move a bfloat16 value by one step.
-    tol = (2e-2, 1e-2) if jnp.bfloat16 in (a.dtype, table_dtype) else (
-        2e-5, 1e-6)
-    np.testing.assert_allclose(a32, b32, rtol=tol[0], atol=tol[1],
-                               err_msg=name)
-  # Untouched rows are exactly the starting rows.
-  np.testing.assert_array_equal(
-      np.asarray(p_fused['table'], np.float32)[untouched],
-      np.asarray(table, np.float32)[untouched])
-
-
-@pytest.mark.parametrize('name', sorted(OPTIMIZERS))
-def test_cpu_kernel_matches_float64_model(name):
-  make, model = OPTIMIZERS[name]
-  table = _initial_table(jnp.float32)
-  ref = model(np.asarray(table, np.float64).reshape(NUM_ROWS, -1))
-  tx = make(impl='cpu_kernel')
-  params = {'table': table, 'w': jnp.ones((3,), jnp.float32)}
-  state = tx.init(params)
-  step = jax.jit(lambda p, s, ids, v: (lambda u, s: (
-      lazy_optax.apply_updates(p, u), s))(*tx.update(
-          {'table': lazy_optax.SparseRows(ids, v, NUM_ROWS),
-           'w': jnp.zeros((3,))}, s, p)))
-  for t, (ids, values) in enumerate(_batches(2, steps=20)):
-    ref.step(ids, values.reshape(len(ids), -1))
-    params, state = step(params, state, jnp.asarray(ids, jnp.int32),
-                         jnp.asarray(values, jnp.float32))
-    np.testing.assert_allclose(
-        np.asarray(params['table'], np.float64).reshape(NUM_ROWS, -1),
-        ref.p, rtol=5e-5, atol=2e-6, err_msg=f'{name} step {t}')
 
 
 @pytest.mark.parametrize('make', [

@@ -24,7 +24,6 @@ import chex
 import jax.numpy as jnp
 import optax
 
-from lazy_optax._src import cpu_kernels
 from lazy_optax._src import fused
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
@@ -45,6 +44,17 @@ class ScaleByLazyAMSGradState(NamedTuple):
   mu: optax.Updates
   nu: optax.Updates
   nu_max: optax.Updates
+
+
+class AdamKernelHyper(NamedTuple):
+  """The Adam kernel's hyperparameters: rows.cc's `ADAM_FIELDS`, in order."""
+  b1: Any
+  one_minus_b1: Any
+  b2: Any
+  one_minus_b2: Any
+  eps: Any
+  eps_root: Any
+  correction: Any  # sqrt(1 - b2^t) / (1 - b1^t)
 
 
 def _bias_correction(b1: Any, b2: Any, count: Any, dtype: Any) -> Any:
@@ -85,20 +95,15 @@ def _adam_rule(amsgrad: bool) -> fused.RowRule:
 
   def kernel_hyper(hyper):
     b1, b2 = hyper['b1'], hyper['b2']
-    correction = _bias_correction(b1, b2, hyper['count'], jnp.float32)
-    return jnp.stack([jnp.asarray(x, jnp.float32) for x in (
+    return AdamKernelHyper(
         b1, 1 - b1, b2, 1 - b2, hyper['eps'], hyper['eps_root'],
-        correction)])
+        _bias_correction(b1, b2, hyper['count'], jnp.float32))
 
-  def kernel(ids, g, h, params, tables):
-    del params
-    new, updates = cpu_kernels.adam(ids, g, h, tables['mu'], tables['nu'],
-                                    tables.get('nu_max'))
-    names = ('mu', 'nu', 'nu_max') if amsgrad else ('mu', 'nu')
-    return dict(zip(names, new)), updates
-
-  return fused.RowRule('amsgrad' if amsgrad else 'adam', new_rows, step,
-                       kernel, kernel_hyper)
+  if amsgrad:
+    return fused.RowRule('amsgrad', new_rows, step, ('mu', 'nu', 'nu_max'),
+                         'LazyOptaxAmsgrad', kernel_hyper)
+  return fused.RowRule('adam', new_rows, step, ('mu', 'nu'), 'LazyOptaxAdam',
+                       kernel_hyper)
 
 
 def epsilon_hat_adam(

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import fused
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
@@ -163,6 +164,37 @@ def _update_leaf(leaf: _RowLeaf, count: jax.Array, lr: Any, cfg: _Config
       jnp.broadcast_to(count, ls.shape).astype(ls.dtype))
 
 
+def _row_rule(cfg: _Config, needs_params: bool) -> fused.RowRule:
+  """The per-row rule as a `RowRule` (no CPU kernel: 'generic' or 'xla').
+
+  `hyper` is `dict(count, lr, decay)`: the new global step, the learning
+  rate (None: none applied) and whether this leaf decays. The step reads the
+  old rows (the steps since a row's last update, and the moments before
+  they are rounded to their dtypes).
+  """
+
+  def leaf(g, rows, params, hyper) -> _RowLeaf:
+    return _RowLeaf(grad=g, mu=rows['mu'], nu=rows['nu'],
+                    row_count=rows['row_count'],
+                    last_step=rows['last_step'], param=params,
+                    decay=hyper['decay'])
+
+  def new_rows(g, rows, params, hyper):
+    _, (mu, nu, row_count, last_step) = _update_leaf(
+        leaf(g, rows, params, hyper), hyper['count'], None, cfg)
+    return {'mu': mu, 'nu': nu, 'row_count': row_count,
+            'last_step': last_step}
+
+  def step(g, stored, params, hyper, rows):
+    del stored
+    return _update_leaf(leaf(g, rows, params, hyper), hyper['count'],
+                        hyper['lr'], cfg)[0]
+
+  return fused.RowRule('adam_with_counter', new_rows, step,
+                       ('mu', 'nu', 'row_count', 'last_step'),
+                       needs_params=needs_params, step_reads_old_rows=True)
+
+
 def _adam_with_counter_rule(
     *,
     b1: float,
@@ -177,14 +209,18 @@ def _adam_with_counter_rule(
     weight_decay: float = 0.0,
     mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
     decay_skipped_steps: bool = False,
+    impl: str = 'auto',
     fn: str = 'scale_by_adam_with_counter',
 ) -> optax.GradientTransformation:
-  """The per-row rule on dense row blocks (every row given is touched)."""
+  """The per-row rule, dense or fused inside `lazy(...)`."""
   _check_args(fn, b1, b2, eps, eps_root, weight_decay, bias_correction)
+  fused.check_impl(impl, fn)
   cfg = _Config(b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                 bias_correction=bias_correction, catch_up=catch_up,
                 weight_decay=weight_decay,
                 decay_skipped_steps=decay_skipped_steps)
+  decays_on = not _no_decay(weight_decay)
+  rule = _row_rule(cfg, needs_params=decays_on)
 
   def init_fn(params):
     def row_counters(p):
@@ -196,36 +232,30 @@ def _adam_with_counter_rule(
         row_count=jax.tree.map(row_counters, params),
         last_step=jax.tree.map(row_counters, params))
 
-  def leaves_of(updates, state, params) -> list[_RowLeaf]:
-    treedef: Any = jax.tree.structure(updates)
-    flat = [treedef.flatten_up_to(t) for t in (
-        updates, state.mu, state.nu, state.row_count, state.last_step)]
-    n = len(flat[0])
-    param_leaves, decays = [None] * n, [False] * n
-    if not _no_decay(weight_decay):
-      if params is None:
-        raise ValueError(
-            'adam_with_counter with weight_decay needs params in '
-            'update(grads, state, params).')
-      param_leaves = treedef.flatten_up_to(params)
-      decays = mask_leaves(mask, params, treedef)
-    return [_RowLeaf(grad=g, mu=m, nu=v, row_count=rc, last_step=ls,
-                     param=p, decay=d)
-            for g, m, v, rc, ls, p, d in zip(*flat, param_leaves, decays)]
-
   def update_fn(updates, state, params=None):
     count = optax.safe_increment(state.count)
     lr = None
     if learning_rate is not None:
       lr = (learning_rate(state.count) if callable(learning_rate)
             else learning_rate)
-    results = [_update_leaf(leaf, count, lr, cfg)
-               for leaf in leaves_of(updates, state, params)]
-    treedef = jax.tree.structure(updates)
-    new_leaves = list(zip(*(r[1] for r in results))) or [()] * 4
-    state = ScaleByAdamWithCounterState(
-        count, *(treedef.unflatten(list(leaves)) for leaves in new_leaves))
-    return treedef.unflatten([r[0] for r in results]), state
+    decays = None
+    if decays_on:
+      if params is None:
+        raise ValueError(
+            'adam_with_counter with weight_decay needs params in '
+            'update(grads, state, params).')
+      decays = mask_leaves(mask, params, jax.tree.structure(updates))
+
+    def leaf_hyper(i, hyper):
+      return dict(hyper, decay=decays is not None and bool(decays[i]))
+
+    new_updates, new = fused.apply_rule(
+        rule, updates, {'mu': state.mu, 'nu': state.nu,
+                        'row_count': state.row_count,
+                        'last_step': state.last_step},
+        params if decays_on else None, dict(count=count, lr=lr, decay=False),
+        impl, leaf_hyper=leaf_hyper)
+    return new_updates, ScaleByAdamWithCounterState(count, **new)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -240,6 +270,7 @@ def scale_by_adam_with_counter(
     nu_dtype: Optional[Any] = None,
     bias_correction: str = 'per_row',
     catch_up: bool = False,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Lazy Adam scaling with per-row bias correction and catch-up (no lr).
 
@@ -266,6 +297,9 @@ def scale_by_adam_with_counter(
     catch_up: decay a returning row's moments by `b1^k`, `b2^k` for its k
       absent steps; `row_count` then counts steps since the row's first
       update.
+    impl: how the touched rows are updated inside `lazy(...)`: `'auto'`,
+      `'generic'` or `'xla'` (the rule has no CPU kernel, so
+      `'cpu_kernel'` raises; see `lazy_optax.explain_update`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
@@ -283,7 +317,8 @@ def scale_by_adam_with_counter(
   """
   return lazy(_adam_with_counter_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-      nu_dtype=nu_dtype, bias_correction=bias_correction, catch_up=catch_up))
+      nu_dtype=nu_dtype, bias_correction=bias_correction, catch_up=catch_up,
+      impl=impl))
 
 
 def adam_with_counter(
@@ -300,6 +335,7 @@ def adam_with_counter(
     bias_correction: str = 'per_row',
     catch_up: bool = False,
     decay_skipped_steps: bool = False,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Lazy Adam(W) with a step counter per row.
 
@@ -327,6 +363,8 @@ def adam_with_counter(
     catch_up: decay returning rows' moments for their absent steps.
     decay_skipped_steps: compound weight decay over the steps since the
       row's last update.
+    impl: `'auto'`, `'generic'` or `'xla'` (see
+      `scale_by_adam_with_counter`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
@@ -354,4 +392,5 @@ def adam_with_counter(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
       nu_dtype=nu_dtype, bias_correction=bias_correction, catch_up=catch_up,
       learning_rate=learning_rate, weight_decay=weight_decay, mask=mask,
-      decay_skipped_steps=decay_skipped_steps, fn='adam_with_counter'))
+      decay_skipped_steps=decay_skipped_steps, impl=impl,
+      fn='adam_with_counter'))

@@ -44,7 +44,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lazy_optax._src import cpu_kernels
 from lazy_optax._src import fused
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
@@ -56,6 +55,16 @@ class FtrlState(NamedTuple):
   count: chex.Array  # int32 scalar, the global step
   accumulator: optax.Updates  # n: sum of squared gradients (+ initial value)
   linear: optax.Updates  # z: the linear term
+
+
+class FtrlKernelHyper(NamedTuple):
+  """The FTRL kernel's hyperparameters: rows.cc's `FTRL_FIELDS`, in order."""
+  lr: Any
+  power: Any  # -learning_rate_power
+  l1: Any
+  l2: Any
+  l2_shrinkage: Any
+  beta: Any
 
 
 def _power(n: jax.Array, power: Any) -> jax.Array:
@@ -106,16 +115,10 @@ def _rule() -> fused.RowRule:
     return w_new - wd
 
   def kernel_hyper(hyper):
-    return jnp.stack([jnp.asarray(hyper[k], jnp.float32) for k in (
-        'lr', 'power', 'l1', 'l2', 'l2_shrinkage', 'beta')])
+    return FtrlKernelHyper(*(hyper[k] for k in FtrlKernelHyper._fields))
 
-  def kernel(ids, g, h, params, tables):
-    new, updates = cpu_kernels.ftrl(ids, g, h, params, tables['accumulator'],
-                                    tables['linear'])
-    return dict(zip(('accumulator', 'linear'), new)), updates
-
-  return fused.RowRule('ftrl', new_rows, step, kernel, kernel_hyper,
-                       needs_params=True)
+  return fused.RowRule('ftrl', new_rows, step, ('accumulator', 'linear'),
+                       'LazyOptaxFtrl', kernel_hyper, needs_params=True)
 
 
 def _ftrl_rule(

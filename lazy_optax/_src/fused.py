@@ -61,6 +61,11 @@ REGATHER_MIN_ROW_BYTES = 128
 class RowRule(NamedTuple):
   """A rule's row update, in the two steps that every implementation shares.
 
+  A rule is written once: `new_rows` and `step` in JAX (the 'generic' and
+  'xla' paths, and every platform), and, for a CPU kernel, its arithmetic in
+  rows.cc (a struct with its `Hyper` record) named by `kernel`, with
+  `kernel_hyper` building the Python record of the same fields.
+
   Attributes:
     name: the rule's name, for messages (`'adam'`).
     new_rows: `(g, rows, params, hyper) -> new rows`: the new state rows
@@ -69,18 +74,25 @@ class RowRule(NamedTuple):
       rows.
     step: `(g, stored, params, hyper) -> updates`: the update rows, from the
       new state rows as stored (rounded to their dtypes).
-    kernel: `(ids, g, hyper, params, tables) -> (new tables, updates)`, the
-      CPU kernel's call (tables updated in place), or None.
-    kernel_hyper: `hyper -> float32 vector`, the kernel's hyperparameters.
+    tables: the state tables' names, in the order the kernel takes them.
+    kernel: the CPU kernel's FFI target (one of `cpu_kernels.RULES`), or
+      None.
+    kernel_hyper: `hyper -> record`, the kernel's hyperparameter record (a
+      NamedTuple with the fields of the kernel's `Hyper`, in order).
     needs_params: whether `new_rows`, `step` or the kernel read the
       parameter rows.
+    step_reads_old_rows: whether `step` also takes the old state rows, as
+      `step(g, stored, params, hyper, rows)` (a rule whose step depends on
+      more than the new state, such as the steps since a row's last update).
   """
   name: str
   new_rows: Callable[..., dict[str, jax.Array]]
   step: Callable[..., jax.Array]
-  kernel: Optional[Callable[..., Any]] = None
-  kernel_hyper: Optional[Callable[..., jax.Array]] = None
+  tables: tuple[str, ...] = ()
+  kernel: Optional[str] = None
+  kernel_hyper: Optional[Callable[..., Any]] = None
   needs_params: bool = False
+  step_reads_old_rows: bool = False
 
 
 class Block(NamedTuple):
@@ -234,11 +246,18 @@ def _choose(rule: RowRule, impl: str, g: Any,
   return 'generic', f'no CPU kernel: {refusal}'
 
 
+def _step(rule: RowRule, g: Any, stored: dict[str, Any], params: Any,
+          hyper: Any, rows: dict[str, Any]) -> Any:
+  if rule.step_reads_old_rows:
+    return rule.step(g, stored, params, hyper, rows)
+  return rule.step(g, stored, params, hyper)
+
+
 def _dense(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
            hyper: Any) -> tuple[Any, dict[str, Any]]:
   new = rule.new_rows(g, rows, params, hyper)
   stored = {k: new[k].astype(rows[k].dtype) for k in rows}
-  return rule.step(g, stored, params, hyper).astype(g.dtype), stored
+  return _step(rule, g, stored, params, hyper, rows).astype(g.dtype), stored
 
 
 def _xla_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
@@ -253,21 +272,24 @@ def _xla_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
   out = {k: row_ops.put(tables[k], ids, stored[k]) for k in tables}
   if reread:
     stored = {k: row_ops.gather(out[k], ids) for k in out}
-  return out, rule.step(g, stored, params, hyper).astype(g.dtype)
+  return out, _step(rule, g, stored, params, hyper, rows).astype(g.dtype)
 
 
 def _kernel_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
                    ids: jax.Array, params: Any, hyper: Any,
                    where: Placement) -> tuple[dict[str, jax.Array], jax.Array]:
   assert rule.kernel is not None and rule.kernel_hyper is not None
-  names = list(tables)
-  h = rule.kernel_hyper(hyper)
+  target = rule.kernel
+  names = list(rule.tables)
+  if sorted(names) != sorted(tables):
+    raise ValueError(f'{rule.name}: the kernel takes tables {names}, the '
+                     f'rule was given {sorted(tables)}.')
+  h = cpu_kernels.pack(target, rule.kernel_hyper(hyper))
   # Rules that read no parameter rows get the gradient rows in their place.
   p = params if rule.needs_params else g
 
   def on_cpu(ids, g, h, p, *ts):
-    new, u = rule.kernel(ids, g, h, p, dict(zip(names, ts)))
-    return tuple(new[k] for k in names), u
+    return cpu_kernels.rule(target, ids, g, h, p, ts)
 
   if where.kind == 'explicit':
     on_cpu = _per_shard(on_cpu, where, len(names))

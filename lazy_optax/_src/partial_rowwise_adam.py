@@ -33,7 +33,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lazy_optax._src import cpu_kernels
 from lazy_optax._src import fused
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
@@ -50,6 +49,19 @@ class ScaleByPartialRowwiseAdamState(NamedTuple):
   count: chex.Array  # int32 scalar, the global step
   mu: optax.Updates  # one per entry, the parameters' shapes
   nu: optax.Updates  # [num_rows] per parameter (scalar: scalar)
+
+
+class PartialRowwiseAdamKernelHyper(NamedTuple):
+  """The partial row-wise Adam kernel's hyperparameters: rows.cc's
+  `PARTIAL_ROWWISE_ADAM_FIELDS`, in order."""
+  b1: Any
+  one_minus_b1: Any
+  b2: Any
+  one_minus_b2: Any
+  eps: Any
+  eps_root: Any
+  bias_correction1: Any  # 1 - b1^t
+  bias_correction2: Any  # 1 - b2^t
 
 
 def _rule() -> fused.RowRule:
@@ -81,19 +93,13 @@ def _rule() -> fused.RowRule:
 
   def kernel_hyper(hyper):
     b1, b2, count = hyper['b1'], hyper['b2'], hyper['count']
-    return jnp.stack([jnp.asarray(x, jnp.float32) for x in (
+    return PartialRowwiseAdamKernelHyper(
         b1, 1 - b1, b2, 1 - b2, hyper['eps'], hyper['eps_root'],
         one_minus_power(b1, count, jnp.float32),
-        one_minus_power(b2, count, jnp.float32))])
+        one_minus_power(b2, count, jnp.float32))
 
-  def kernel(ids, g, h, params, tables):
-    del params
-    new, updates = cpu_kernels.partial_rowwise_adam(ids, g, h, tables['mu'],
-                                                    tables['nu'])
-    return dict(zip(('mu', 'nu'), new)), updates
-
-  return fused.RowRule('partial_rowwise_adam', new_rows, step, kernel,
-                       kernel_hyper)
+  return fused.RowRule('partial_rowwise_adam', new_rows, step, ('mu', 'nu'),
+                       'LazyOptaxPartialRowwiseAdam', kernel_hyper)
 
 
 def _partial_rowwise_adam_rule(

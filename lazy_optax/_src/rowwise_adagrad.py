@@ -38,7 +38,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lazy_optax._src import cpu_kernels
 from lazy_optax._src import fused
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
@@ -55,6 +54,13 @@ class ScaleByRowwiseAdagradState(NamedTuple):
   """State of `scale_by_rowwise_adagrad` / `rowwise_adagrad`."""
   count: chex.Array  # int32 scalar, the global step
   sum_of_squares: optax.Updates  # [num_rows] per parameter (scalar: scalar)
+
+
+class RowwiseAdagradKernelHyper(NamedTuple):
+  """The row-wise Adagrad kernel's hyperparameters: rows.cc's
+  `ROWWISE_ADAGRAD_FIELDS`, in order."""
+  eps: Any
+  l2: Any  # FBGEMM's L2 mode (0: off)
 
 
 def _rule(l2: bool) -> fused.RowRule:
@@ -87,16 +93,11 @@ def _rule(l2: bool) -> fused.RowRule:
     return g.astype(dtype) / broadcast_rows(denom, g)
 
   def kernel_hyper(hyper):
-    return jnp.stack([jnp.asarray(hyper['eps'], jnp.float32),
-                      jnp.asarray(hyper['l2'] if l2 else 0, jnp.float32)])
+    return RowwiseAdagradKernelHyper(hyper['eps'], hyper['l2'] if l2 else 0)
 
-  def kernel(ids, g, h, params, tables):
-    new, updates = cpu_kernels.rowwise_adagrad(ids, g, h, params,
-                                               tables['sum_of_squares'])
-    return {'sum_of_squares': new[0]}, updates
-
-  return fused.RowRule('rowwise_adagrad', new_rows, step, kernel,
-                       kernel_hyper, needs_params=l2)
+  return fused.RowRule('rowwise_adagrad', new_rows, step, ('sum_of_squares',),
+                       'LazyOptaxRowwiseAdagrad', kernel_hyper,
+                       needs_params=l2)
 
 
 def _rowwise_adagrad_rule(

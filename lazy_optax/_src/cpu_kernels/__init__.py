@@ -4,6 +4,12 @@
 scatter-add, and the fused row update of each lazy_optax rule); `build.py`
 finds or builds the compiled library and refuses files it cannot trust.
 
+Every rule kernel is called the same way (`rule`): its hyperparameters are
+a record (a NamedTuple in the rule's module) whose fields are those of the
+rule's `Hyper` struct in `rows.cc`, in the same order; the library exports
+each struct's field names (`<target>Fields`), and `pack` refuses a record
+that does not list them.
+
 The library is loaded eagerly, never inside a trace: by the first `init` of a
 lazy transformation on concrete parameters, by `lazy_optax.kernel_status()`,
 or ahead of time with `python3 -m lazy_optax.build_kernels`. Until then, and
@@ -25,12 +31,12 @@ import jax.numpy as jnp
 from lazy_optax._src.cpu_kernels import build
 
 ENV_SWITCH = 'LAZY_OPTAX_CPU_KERNELS'
+# The rule kernels (rows.cc's LAZY_OPTAX_RULE), all called through `rule`.
+RULES = ('LazyOptaxAdam', 'LazyOptaxAmsgrad', 'LazyOptaxRowwiseAdagrad',
+         'LazyOptaxPartialRowwiseAdam', 'LazyOptaxFtrl')
 TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
-           'LazyOptaxScatter', 'LazyOptaxScatterAdd', 'LazyOptaxAddStochastic',
-           'LazyOptaxAdam',
-           'LazyOptaxAmsgrad',
-           'LazyOptaxRowwiseAdagrad', 'LazyOptaxPartialRowwiseAdam',
-           'LazyOptaxFtrl')
+           'LazyOptaxScatter', 'LazyOptaxScatterAdd',
+           'LazyOptaxAddStochastic') + RULES
 # Storage dtypes the kernels read and write (tables, moments, accumulators).
 STORAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -43,6 +49,14 @@ class Status(NamedTuple):
 
 _lock = threading.Lock()
 _status: Optional[Status] = None
+# Each rule kernel's hyperparameter fields, as the loaded library declares.
+_fields: dict[str, tuple[str, ...]] = {}
+
+
+def _field_names(lib: Any, target: str) -> tuple[str, ...]:
+  fn = getattr(lib, f'{target}Fields')
+  fn.restype = ctypes.c_char_p
+  return tuple(fn().decode('ascii').rstrip(',').split(','))
 
 
 def _load() -> Status:
@@ -56,6 +70,7 @@ def _load() -> Status:
     return Status(False, found.origin)
   try:
     lib = ctypes.cdll.LoadLibrary(found.path)
+    fields = {name: _field_names(lib, name) for name in RULES}
     for name in TARGETS:
       jax.ffi.register_ffi_target(
           f'lazy_optax_{name}', jax.ffi.pycapsule(getattr(lib, name)),
@@ -65,6 +80,7 @@ def _load() -> Status:
         'lazy_optax: the CPU kernels at %s could not be loaded (%s); the XLA '
         'path is used.', found.path, e)
     return Status(False, f'{found.path} could not be loaded: {e}')
+  _fields.update(fields)
   return Status(True, f'{found.path} ({found.origin})')
 
 
@@ -198,42 +214,73 @@ def add_stochastic(table: jax.Array, ids: jax.Array, rows: jax.Array,
               key_data.astype(jnp.uint32))
 
 
-def _rule(name: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
-          reads: tuple[jax.Array, ...], tables: tuple[jax.Array, ...]):
-  """A rule kernel: updates `tables` in place, returns them and the steps."""
-  first = 3 + len(reads)
+def fields(target: str) -> tuple[str, ...]:
+  """The hyperparameter fields of rule kernel `target`, in the library's
+  order (its `Hyper` struct in rows.cc).
+
+  Args:
+    target: one of `RULES`.
+
+  Returns:
+    The field names, or `()` while the kernels are not loaded.
+
+  Example:
+    >>> from lazy_optax._src import cpu_kernels
+    >>> cpu_kernels.fields('LazyOptaxRowwiseAdagrad') in ((), ('eps', 'l2'))
+    True
+  """
+  if target not in RULES:
+    raise ValueError(f'fields: target must be one of {RULES}, got {target!r}.')
+  return _fields.get(target, ())
+
+
+def pack(target: str, hyper: Any) -> jax.Array:
+  """A rule's hyperparameter record as the kernel's float32 vector.
+
+  Args:
+    target: one of `RULES`.
+    hyper: a NamedTuple whose fields are `fields(target)`, in order.
+
+  Returns:
+    The float32 vector of its values.
+
+  Raises:
+    TypeError: where the record's fields are not the kernel's (a rule whose
+      Python record and C++ struct disagree would read one hyperparameter
+      as another).
+  """
+  expected = fields(target)
+  got = tuple(getattr(type(hyper), '_fields', ()))
+  if expected and got != expected:
+    raise TypeError(
+        f'{target}: the hyperparameter record {type(hyper).__name__}{got} '
+        f'does not list the kernel\'s fields {expected} in the same order '
+        '(rows.cc and the rule\'s module must agree).')
+  return jnp.stack([jnp.asarray(x, jnp.float32) for x in hyper])
+
+
+def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
+         params: jax.Array, tables: tuple[jax.Array, ...]
+         ) -> tuple[tuple[jax.Array, ...], jax.Array]:
+  """Runs rule kernel `target`: updates `tables` in place at `ids`' rows.
+
+  Args:
+    target: one of `RULES`.
+    ids: the distinct int ids `[N]` (ids outside the tables name no row).
+    grads: the gradient rows `[N, ...]`.
+    hyper: `pack(target, record)`.
+    params: the parameter rows, shaped as `grads` (rules that read none get
+      `grads`).
+    tables: the rule's state tables, in the order of its C++ `kPerRow`.
+
+  Returns:
+    `(new tables, updates)`: the tables (aliased to the inputs) and the
+    float32 update rows (zeros for ids that name no row).
+  """
   call = _call(
-      name, tuple(_like(t) for t in tables)
-      + (jax.ShapeDtypeStruct(grads.shape, jnp.float32),),
-      {first + k: k for k in range(len(tables))})
+      target, (jax.ShapeDtypeStruct(grads.shape, jnp.float32),)
+      + tuple(_like(t) for t in tables),
+      {4 + k: 1 + k for k in range(len(tables))})
   out = call(ids.astype(jnp.int32), grads.astype(jnp.float32),
-             hyper.astype(jnp.float32), *reads, *tables)
-  return tuple(out[:-1]), out[-1]
-
-
-def adam(ids, grads, hyper, mu, nu, nu_max=None):
-  """TensorFlow's Adam rule; `hyper` = (b1, 1-b1, b2, 1-b2, eps, eps_root,
-  corr). Returns `((mu, nu[, nu_max]), updates)`."""
-  if nu_max is None:
-    return _rule('LazyOptaxAdam', ids, grads, hyper, (), (mu, nu))
-  return _rule('LazyOptaxAmsgrad', ids, grads, hyper, (), (mu, nu, nu_max))
-
-
-def rowwise_adagrad(ids, grads, hyper, params, accumulator):
-  """Row-wise Adagrad; `hyper` = (eps, l2). Returns `((acc,), updates)`."""
-  return _rule('LazyOptaxRowwiseAdagrad', ids, grads, hyper,
-               (params.astype(jnp.float32),), (accumulator,))
-
-
-def partial_rowwise_adam(ids, grads, hyper, mu, nu):
-  """Partial row-wise Adam; `hyper` = (b1, 1-b1, b2, 1-b2, eps, eps_root,
-  1-b1^t, 1-b2^t). Returns `((mu, nu), updates)`."""
-  return _rule('LazyOptaxPartialRowwiseAdam', ids, grads, hyper, (),
-               (mu, nu))
-
-
-def ftrl(ids, grads, hyper, params, accumulator, linear):
-  """FTRL; `hyper` = (lr, -lr_power, l1, l2, l2_shrinkage, beta). Returns
-  `((accumulator, linear), updates)`."""
-  return _rule('LazyOptaxFtrl', ids, grads, hyper,
-               (params.astype(jnp.float32),), (accumulator, linear))
+             hyper.astype(jnp.float32), params.astype(jnp.float32), *tables)
+  return tuple(out[1:]), out[0]

@@ -511,164 +511,64 @@ ffi::Error AddStochastic(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
 }
 
 // ---------------------------------------------------------------------------
-// Rule kernels. Each reads the gradient rows `g` [N, W] (float32) of distinct
-// ids, updates its state tables in place at those rows, and writes the step
-// of each slot to `updates` [N, W] (float32; zeros where the id names no row).
+// Rule kernels: one row loop (RuleKernel) and, per rule, its arithmetic.
+//
+// Every rule kernel has the same operands: the ids [N] (int32, distinct),
+// the gradient rows `g` [N, W] (float32), the hyperparameter record (float32
+// values, the fields of the rule's `Hyper`), the parameter rows [N, W]
+// (float32; rules that read none get `g` again) and its state tables, each
+// `[R, W]` (a value per entry) or `[R]` (one per row). It updates the tables
+// in place at the ids' rows and returns them, after the update rows [N, W]
+// (float32; zeros where the id names no row).
+//
+// A rule is a struct with
+//   Hyper        its hyperparameter record, declared with LAZY_OPTAX_HYPER
+//                (the field names are exported, and Python's record must
+//                list the same ones in the same order);
+//   kPerRow      one bool per state table: one value per row (else per
+//                entry), in the order Python passes the tables;
+//   Row(h, io, tables...)  the arithmetic of one row: `io` holds the row's
+//                gradient, parameters and update; each table is a `Row<S>`
+//                whose `t[k]` reads entry k in float32 and `t.Put(k, x)`
+//                stores x rounded to the table's dtype and returns the value
+//                as stored (what the XLA rule's step reads).
+// The loop (RuleRows) does the rest: operand checks, dtype dispatch,
+// prefetching, the threads, in-place aliasing and the unnamed slots.
 
-struct RuleIo {
-  const int32_t* ids;
-  const float* g;
-  float* out;
-  int64_t n;
-  int64_t width;
-  int64_t rows;
+// A hyperparameter record: `LAZY_OPTAX_HYPER(FIELDS)` inside a rule, with
+// FIELDS an X-macro `#define FIELDS(F) F(b1) F(b2) ...`, declares
+// `struct Hyper { float b1; float b2; ... }` and `kFields`, its field names
+// separated by commas (exported for the Python side's check).
+#define LAZY_OPTAX_HYPER_FIELD(name) float name;
+#define LAZY_OPTAX_HYPER_NAME(name) #name ","
+#define LAZY_OPTAX_HYPER(FIELDS)                        \
+  struct Hyper {                                        \
+    FIELDS(LAZY_OPTAX_HYPER_FIELD)                      \
+  };                                                    \
+  static constexpr const char* kFields = FIELDS(LAZY_OPTAX_HYPER_NAME);
+
+// One row of a state table, in its storage dtype S.
+template <typename S>
+struct Row {
+  typename S::T* __restrict__ p;
+  float operator[](int64_t k) const { return S::Load(p + k); }
+  float Put(int64_t k, float x) const {
+    const float stored = S::Rounded(x);
+    S::Store(p + k, stored);
+    return stored;
+  }
 };
 
-// Checks the operands shared by every rule kernel; `table_rows` is the row
-// count of the first state table.
-ffi::Error CheckRule(const char* name, ffi::Buffer<ffi::S32>& ids,
-                     ffi::Buffer<ffi::F32>& g,
-                     ffi::Result<ffi::Buffer<ffi::F32>>& updates,
-                     RuleIo& io, int64_t table_rows) {
-  const Shape2 gs = AsRows(g.dimensions());
-  io.n = static_cast<int64_t>(ids.element_count());
-  io.width = gs.width;
-  io.rows = table_rows;
-  if (gs.rows != io.n || updates->element_count() != g.element_count()) {
-    return ffi::Error::InvalidArgument(std::string(name) +
-                                       ": gradient and update shapes");
-  }
-  io.ids = ids.typed_data();
-  io.g = g.typed_data();
-  io.out = updates->typed_data();
-  return ffi::Error::Success();
-}
-
-// Zeros the update rows of slots whose id names no row.
-void ZeroUnnamed(const RuleIo& io) {
-  for (int64_t s = 0; s < io.n; ++s) {
-    if (!Named(io.ids[s], io.rows)) {
-      std::memset(io.out + s * io.width, 0, io.width * sizeof(float));
-    }
-  }
-}
-
-// TensorFlow's Adam rule with epsilon hat, per entry of row r:
-//   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  [vmax = max(vmax, v)]
-//   update = corr * m / (sqrt(v' + eps_root) + eps),  v' = vmax or v,
-// with corr = sqrt(1 - b2^t) / (1 - b1^t) computed by the caller.
-// hyper = (b1, 1 - b1, b2, 1 - b2, eps, eps_root, corr).
-struct AdamHyper {
-  float b1, c1, b2, c2, eps, eps_root, corr;
+// The slot's own rows: gradient, parameters (or the gradient) and update,
+// their width and its inverse (for means over a row).
+struct RowIo {
+  const float* __restrict__ g;
+  const float* __restrict__ p;
+  float* __restrict__ u;
+  int64_t w;
+  float inv_w;
 };
 
-template <typename SM, typename SV, bool kAms>
-__attribute__((always_inline)) inline void AdamRow(
-    const AdamHyper& a, typename SM::T* __restrict__ m,
-    typename SV::T* __restrict__ v, typename SV::T* __restrict__ x,
-    const float* __restrict__ g, float* __restrict__ u, int64_t w) {
-  for (int64_t k = 0; k < w; ++k) {
-    const float gk = g[k];
-    // The step reads the moments as stored (rounded to their dtype), as the
-    // XLA rule does.
-    const float mk = SM::Rounded(a.b1 * SM::Load(m + k) + a.c1 * gk);
-    float vk = SV::Rounded(a.b2 * SV::Load(v + k) + a.c2 * (gk * gk));
-    SM::Store(m + k, mk);
-    SV::Store(v + k, vk);
-    if constexpr (kAms) {
-      vk = std::max(SV::Load(x + k), vk);
-      SV::Store(x + k, vk);
-    }
-    u[k] = a.corr * mk / (std::sqrt(vk + a.eps_root) + a.eps);
-  }
-}
-
-template <typename SM, typename SV, bool kAms>
-void AdamRows(ffi::ThreadPool& pool, const RuleIo& io, const float* h,
-              typename SM::T* mu, typename SV::T* nu, typename SV::T* vmax) {
-  const AdamHyper a{h[0], h[1], h[2], h[3], h[4], h[5], h[6]};
-  const int64_t w = io.width;
-  ParallelFor(pool, io.n, w, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      if (s + kPrefetchAhead < end && Named(io.ids[s + kPrefetchAhead], io.rows)) {
-        const int64_t p = io.ids[s + kPrefetchAhead];
-        Prefetch(mu, p, w * sizeof(typename SM::T), true);
-        Prefetch(nu, p, w * sizeof(typename SV::T), true);
-        if (kAms) Prefetch(vmax, p, w * sizeof(typename SV::T), true);
-      }
-      const int64_t r = io.ids[s];
-      if (!Named(io.ids[s], io.rows)) continue;
-      AdamRow<SM, SV, kAms>(a, mu + r * w, nu + r * w,
-                            kAms ? vmax + r * w : nullptr, io.g + s * w,
-                            io.out + s * w, w);
-    }
-  });
-  ZeroUnnamed(io);
-}
-
-template <bool kAms>
-ffi::Error AdamImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,
-                    ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> hyper,
-                    ffi::AnyBuffer mu_in, ffi::AnyBuffer nu_in,
-                    const ffi::AnyBuffer* vmax_in,
-                    ffi::Result<ffi::AnyBuffer>& mu_out,
-                    ffi::Result<ffi::AnyBuffer>& nu_out,
-                    ffi::Result<ffi::AnyBuffer>* vmax_out,
-                    ffi::Result<ffi::Buffer<ffi::F32>>& updates) {
-  RuleIo io;
-  const Shape2 t = AsRows(mu_in.dimensions());
-  if (auto e = CheckRule("LazyOptaxAdam", ids, g, updates, io, t.rows);
-      e.failure()) {
-    return e;
-  }
-  if (t.width != io.width || nu_in.element_count() != mu_in.element_count() ||
-      hyper.element_count() != 7 ||
-      (kAms && (vmax_in->element_count() != nu_in.element_count() ||
-                vmax_in->element_type() != nu_in.element_type()))) {
-    return ffi::Error::InvalidArgument("LazyOptaxAdam: operand shapes");
-  }
-  void* mu = InPlace(mu_in, mu_out);
-  void* nu = InPlace(nu_in, nu_out);
-  void* vmax = kAms ? InPlace(*vmax_in, *vmax_out) : nullptr;
-  const float* h = hyper.typed_data();
-  return WithStorage(mu_in.element_type(), [&](auto sm) {
-    using SM = decltype(sm);
-    return WithStorage(nu_in.element_type(), [&](auto sv) {
-      using SV = decltype(sv);
-      AdamRows<SM, SV, kAms>(pool, io, h, static_cast<typename SM::T*>(mu),
-                             static_cast<typename SV::T*>(nu),
-                             static_cast<typename SV::T*>(vmax));
-      return ffi::Error::Success();
-    });
-  });
-}
-
-ffi::Error Adam(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,
-                ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> hyper,
-                ffi::AnyBuffer mu, ffi::AnyBuffer nu,
-                ffi::Result<ffi::AnyBuffer> mu_out,
-                ffi::Result<ffi::AnyBuffer> nu_out,
-                ffi::Result<ffi::Buffer<ffi::F32>> updates) {
-  return AdamImpl<false>(pool, ids, g, hyper, mu, nu, nullptr, mu_out, nu_out,
-                         nullptr, updates);
-}
-
-ffi::Error Amsgrad(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,
-                   ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> hyper,
-                   ffi::AnyBuffer mu, ffi::AnyBuffer nu, ffi::AnyBuffer vmax,
-                   ffi::Result<ffi::AnyBuffer> mu_out,
-                   ffi::Result<ffi::AnyBuffer> nu_out,
-                   ffi::Result<ffi::AnyBuffer> vmax_out,
-                   ffi::Result<ffi::Buffer<ffi::F32>> updates) {
-  return AdamImpl<true>(pool, ids, g, hyper, mu, nu, &vmax, mu_out, nu_out,
-                        &vmax_out, updates);
-}
-
-// Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD), per row r:
-//   g' = g + l2 * p_r                   (FBGEMM's L2 mode; l2 = 0 otherwise)
-//   G_r = G_r + mean(g'^2);  update = g' / (sqrt(G_r) + eps)
-// hyper = (eps, l2); `params` holds the parameter rows of the slots (read
-// only when l2 is not zero).
 // The sum of x[k]^2 over a row, in 8 running sums (so that it vectorizes).
 inline float SumOfSquares(const float* __restrict__ x, int64_t w) {
   float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -682,225 +582,236 @@ inline float SumOfSquares(const float* __restrict__ x, int64_t w) {
   return sum;
 }
 
-template <typename SA>
-void RowwiseAdagradRows(ffi::ThreadPool& pool, const RuleIo& io,
-                        const float* h, const float* params,
-                        typename SA::T* acc) {
-  const float eps = h[0], l2 = h[1];
-  const int64_t w = io.width;
+template <typename Rule, typename... S, size_t... I>
+void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
+              int64_t rows, int64_t w, const typename Rule::Hyper& h,
+              const float* g, const float* params, float* out,
+              std::index_sequence<I...>, typename S::T*... tables) {
+  // Values per table row: one (per row) or w (per entry).
+  const int64_t width[] = {(Rule::kPerRow[I] ? int64_t{1} : w)...};
   const float inv_w = 1.0f / static_cast<float>(w);
-  ParallelFor(pool, io.n, w, [&](int64_t begin, int64_t end) {
+  ParallelFor(pool, n, w, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
-      if (s + kPrefetchAhead < end && Named(io.ids[s + kPrefetchAhead], io.rows)) {
-        __builtin_prefetch(acc + io.ids[s + kPrefetchAhead], 1);
+      if (s + kPrefetchAhead < end && Named(ids[s + kPrefetchAhead], rows)) {
+        const int64_t a = ids[s + kPrefetchAhead];
+        (Prefetch(tables, a,
+                  width[I] * static_cast<int64_t>(sizeof(typename S::T)), true),
+         ...);
       }
-      const int32_t r = io.ids[s];
-      if (!Named(r, io.rows)) continue;
-      const float* __restrict__ gs = io.g + s * w;
-      float* __restrict__ u = io.out + s * w;
-      const float* g = gs;
-      if (l2 != 0.0f) {  // FBGEMM's L2 mode: the decay joins the gradient
-        const float* __restrict__ ps = params + s * w;
-        for (int64_t k = 0; k < w; ++k) u[k] = gs[k] + l2 * ps[k];
-        g = u;
-      }
-      const float a =
-          SA::Rounded(SA::Load(acc + r) + SumOfSquares(g, w) * inv_w);
-      SA::Store(acc + r, a);
-      const float denom = std::sqrt(a) + eps;
-      for (int64_t k = 0; k < w; ++k) u[k] = g[k] / denom;
+      const int64_t r = ids[s];
+      if (!Named(ids[s], rows)) continue;
+      Rule::Row(h, RowIo{g + s * w, params + s * w, out + s * w, w, inv_w},
+                Row<S>{tables + r * width[I]}...);
     }
   });
-  ZeroUnnamed(io);
+  for (int64_t s = 0; s < n; ++s) {  // slots whose id names no row
+    if (!Named(ids[s], rows)) std::memset(out + s * w, 0, w * sizeof(float));
+  }
 }
 
-ffi::Error RowwiseAdagrad(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,
-                          ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> hyper,
-                          ffi::Buffer<ffi::F32> params, ffi::AnyBuffer acc_in,
-                          ffi::Result<ffi::AnyBuffer> acc_out,
-                          ffi::Result<ffi::Buffer<ffi::F32>> updates) {
-  RuleIo io;
-  const Shape2 a = AsRows(acc_in.dimensions());
-  if (auto e = CheckRule("LazyOptaxRowwiseAdagrad", ids, g, updates, io,
-                         a.rows);
-      e.failure()) {
-    return e;
-  }
-  if (a.width != 1 || hyper.element_count() != 2 ||
-      params.element_count() != g.element_count()) {
-    return ffi::Error::InvalidArgument(
-        "LazyOptaxRowwiseAdagrad: operand shapes");
-  }
-  void* acc = InPlace(acc_in, acc_out);
-  return WithStorage(acc_in.element_type(), [&](auto sa) {
-    using SA = decltype(sa);
-    RowwiseAdagradRows<SA>(pool, io, hyper.typed_data(), params.typed_data(),
-                           static_cast<typename SA::T*>(acc));
-    return ffi::Error::Success();
-  });
-}
-
-// Partial row-wise Adam (FBGEMM's PARTIAL_ROWWISE_ADAM), per row r:
-//   m = b1 m + (1 - b1) g                 (per entry)
-//   v_r = b2 v_r + (1 - b2) mean(g^2)     (per row)
-//   update = (m / bc1) / (sqrt(v_r / bc2 + eps_root) + eps)
-// hyper = (b1, 1 - b1, b2, 1 - b2, eps, eps_root, bc1, bc2), bc = 1 - b^t.
-template <typename SM, typename SV>
-void PartialRowwiseAdamRows(ffi::ThreadPool& pool, const RuleIo& io,
-                            const float* h, typename SM::T* mu,
-                            typename SV::T* nu) {
-  const float b1 = h[0], c1 = h[1], b2 = h[2], c2 = h[3], eps = h[4];
-  const float eps_root = h[5], bc1 = h[6], bc2 = h[7];
-  const int64_t w = io.width;
-  const float inv_w = 1.0f / static_cast<float>(w);
-  ParallelFor(pool, io.n, w, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      if (s + kPrefetchAhead < end && Named(io.ids[s + kPrefetchAhead], io.rows)) {
-        Prefetch(mu, io.ids[s + kPrefetchAhead], w * sizeof(typename SM::T),
-                 true);
-      }
-      const int32_t r = io.ids[s];
-      if (!Named(r, io.rows)) continue;
-      typename SM::T* __restrict__ m = mu + static_cast<int64_t>(r) * w;
-      const float* __restrict__ gs = io.g + s * w;
-      float* __restrict__ u = io.out + s * w;
-      const float v = SV::Rounded(b2 * SV::Load(nu + r) +
-                                  c2 * (SumOfSquares(gs, w) * inv_w));
-      SV::Store(nu + r, v);
-      const float denom = std::sqrt(v / bc2 + eps_root) + eps;
-      for (int64_t k = 0; k < w; ++k) {
-        const float mk = SM::Rounded(b1 * SM::Load(m + k) + c1 * gs[k]);
-        SM::Store(m + k, mk);
-        u[k] = (mk / bc1) / denom;
-      }
-    }
-  });
-  ZeroUnnamed(io);
-}
-
-ffi::Error PartialRowwiseAdam(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,
-                              ffi::Buffer<ffi::F32> g,
-                              ffi::Buffer<ffi::F32> hyper, ffi::AnyBuffer mu_in,
-                              ffi::AnyBuffer nu_in,
-                              ffi::Result<ffi::AnyBuffer> mu_out,
-                              ffi::Result<ffi::AnyBuffer> nu_out,
-                              ffi::Result<ffi::Buffer<ffi::F32>> updates) {
-  RuleIo io;
-  const Shape2 t = AsRows(mu_in.dimensions());
-  if (auto e = CheckRule("LazyOptaxPartialRowwiseAdam", ids, g, updates, io,
-                         t.rows);
-      e.failure()) {
-    return e;
-  }
-  const Shape2 v = AsRows(nu_in.dimensions());
-  if (t.width != io.width || v.rows != t.rows || v.width != 1 ||
-      hyper.element_count() != 8) {
-    return ffi::Error::InvalidArgument(
-        "LazyOptaxPartialRowwiseAdam: operand shapes");
-  }
-  void* mu = InPlace(mu_in, mu_out);
-  void* nu = InPlace(nu_in, nu_out);
-  const float* h = hyper.typed_data();
-  return WithStorage(mu_in.element_type(), [&](auto sm) {
-    using SM = decltype(sm);
-    return WithStorage(nu_in.element_type(), [&](auto sv) {
-      using SV = decltype(sv);
-      PartialRowwiseAdamRows<SM, SV>(pool, io, h,
-                                     static_cast<typename SM::T*>(mu),
-                                     static_cast<typename SV::T*>(nu));
-      return ffi::Error::Success();
+// Calls fn(S...) with the storage of each of the N `types`.
+template <size_t N, typename Fn, typename... S>
+ffi::Error WithStorages(const ffi::DataType* types, Fn& fn, S... s) {
+  if constexpr (sizeof...(S) == N) {
+    return fn(s...);
+  } else {
+    return WithStorage(types[sizeof...(S)], [&](auto t) {
+      return WithStorages<N>(types, fn, s..., t);
     });
-  });
+  }
 }
+
+template <typename Rule, size_t... I>
+ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
+                   ffi::Buffer<ffi::S32>& ids, ffi::Buffer<ffi::F32>& g,
+                   ffi::Buffer<ffi::F32>& hyper, ffi::Buffer<ffi::F32>& params,
+                   ffi::RemainingArgs& ins,
+                   ffi::Result<ffi::Buffer<ffi::F32>>& updates,
+                   ffi::RemainingRets& outs, std::index_sequence<I...> seq) {
+  constexpr size_t kTables = sizeof...(I);
+  auto fail = [name](const char* what) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": " + what);
+  };
+  const Shape2 gs = AsRows(g.dimensions());
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  if (gs.rows != n || updates->element_count() != g.element_count() ||
+      params.element_count() != g.element_count()) {
+    return fail("gradient, parameter and update shapes");
+  }
+  if (hyper.element_count() * sizeof(float) != sizeof(typename Rule::Hyper)) {
+    return fail("hyperparameters (not the fields of its record)");
+  }
+  typename Rule::Hyper h;
+  std::memcpy(&h, hyper.typed_data(), sizeof(h));
+  if (ins.size() != kTables || outs.size() != kTables) {
+    return fail("state tables (a wrong count)");
+  }
+  ffi::DataType types[kTables];
+  void* data[kTables];
+  int64_t rows = -1;
+  for (size_t i = 0; i < kTables; ++i) {
+    auto in = ins.get<ffi::AnyBuffer>(i);
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (!in.has_value() || !out.has_value()) return fail("state tables");
+    const Shape2 t = AsRows(in->dimensions());
+    if (rows < 0) rows = t.rows;
+    if (t.rows != rows ||
+        t.width != (Rule::kPerRow[i] ? int64_t{1} : gs.width) ||
+        (*out)->element_type() != in->element_type()) {
+      return fail("state table shapes");
+    }
+    types[i] = in->element_type();
+    data[i] = InPlace(*in, *out);
+  }
+  auto run = [&](auto... s) {
+    RuleRows<Rule, decltype(s)...>(
+        pool, ids.typed_data(), n, rows, gs.width, h, g.typed_data(),
+        params.typed_data(), updates->typed_data(), seq,
+        static_cast<typename decltype(s)::T*>(data[I])...);
+    return ffi::Error::Success();
+  };
+  return WithStorages<kTables>(types, run);
+}
+
+// The FFI handler of `Rule` (see LAZY_OPTAX_RULE).
+template <typename Rule>
+struct RuleKernel {
+  static ffi::Error Call(const char* name, ffi::ThreadPool pool,
+                         ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> g,
+                         ffi::Buffer<ffi::F32> hyper,
+                         ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,
+                         ffi::Result<ffi::Buffer<ffi::F32>> updates,
+                         ffi::RemainingRets outs) {
+    constexpr size_t kTables = sizeof(Rule::kPerRow) / sizeof(bool);
+    return RunRule<Rule>(name, pool, ids, g, hyper, params, ins, updates, outs,
+                         std::make_index_sequence<kTables>());
+  }
+};
+
+// TensorFlow's Adam rule with epsilon hat, per entry:
+//   m = b1 m + (1 - b1) g;  v = b2 v + (1 - b2) g^2;  [vmax = max(vmax, v)]
+//   update = correction * m / (sqrt(v' + eps_root) + eps),  v' = vmax or v,
+// correction = sqrt(1 - b2^t) / (1 - b1^t) computed by the caller.
+#define ADAM_FIELDS(F) \
+  F(b1) F(one_minus_b1) F(b2) F(one_minus_b2) F(eps) F(eps_root) F(correction)
+
+struct AdamRule {
+  LAZY_OPTAX_HYPER(ADAM_FIELDS)
+  static constexpr bool kPerRow[] = {false, false};  // mu, nu
+  template <typename M, typename V>
+  __attribute__((always_inline)) static void Row(const Hyper& a,
+                                                 const RowIo& io, M m, V v) {
+    for (int64_t k = 0; k < io.w; ++k) {
+      const float gk = io.g[k];
+      const float mk = m.Put(k, a.b1 * m[k] + a.one_minus_b1 * gk);
+      const float vk = v.Put(k, a.b2 * v[k] + a.one_minus_b2 * (gk * gk));
+      io.u[k] = a.correction * mk / (std::sqrt(vk + a.eps_root) + a.eps);
+    }
+  }
+};
+
+struct AmsgradRule {
+  LAZY_OPTAX_HYPER(ADAM_FIELDS)
+  static constexpr bool kPerRow[] = {false, false, false};  // mu, nu, nu_max
+  template <typename M, typename V, typename X>
+  __attribute__((always_inline)) static void Row(const Hyper& a,
+                                                 const RowIo& io, M m, V v,
+                                                 X x) {
+    for (int64_t k = 0; k < io.w; ++k) {
+      const float gk = io.g[k];
+      const float mk = m.Put(k, a.b1 * m[k] + a.one_minus_b1 * gk);
+      const float vk = v.Put(k, a.b2 * v[k] + a.one_minus_b2 * (gk * gk));
+      const float xk = x.Put(k, std::max(x[k], vk));
+      io.u[k] = a.correction * mk / (std::sqrt(xk + a.eps_root) + a.eps);
+    }
+  }
+};
+
+// Row-wise Adagrad (FBGEMM's EXACT_ROWWISE_ADAGRAD), per row:
+//   g' = g + l2 p                       (FBGEMM's L2 mode; l2 = 0 otherwise)
+//   G = G + mean(g'^2);  update = g' / (sqrt(G) + eps)
+#define ROWWISE_ADAGRAD_FIELDS(F) F(eps) F(l2)
+
+struct RowwiseAdagradRule {
+  LAZY_OPTAX_HYPER(ROWWISE_ADAGRAD_FIELDS)
+  static constexpr bool kPerRow[] = {true};  // sum_of_squares
+  template <typename A>
+  __attribute__((always_inline)) static void Row(const Hyper& h,
+                                                 const RowIo& io, A acc) {
+    const int64_t w = io.w;
+    const float* g = io.g;
+    if (h.l2 != 0.0f) {  // the decay joins the gradient
+      for (int64_t k = 0; k < w; ++k) io.u[k] = io.g[k] + h.l2 * io.p[k];
+      g = io.u;
+    }
+    const float a = acc.Put(0, acc[0] + SumOfSquares(g, w) * io.inv_w);
+    const float denom = std::sqrt(a) + h.eps;
+    for (int64_t k = 0; k < w; ++k) io.u[k] = g[k] / denom;
+  }
+};
+
+// Partial row-wise Adam (FBGEMM's PARTIAL_ROWWISE_ADAM), per row:
+//   m = b1 m + (1 - b1) g                 (per entry)
+//   v = b2 v + (1 - b2) mean(g^2)         (per row)
+//   update = (m / bc1) / (sqrt(v / bc2 + eps_root) + eps),  bc = 1 - b^t.
+#define PARTIAL_ROWWISE_ADAM_FIELDS(F)                                    \
+  F(b1) F(one_minus_b1) F(b2) F(one_minus_b2) F(eps) F(eps_root)         \
+  F(bias_correction1) F(bias_correction2)
+
+struct PartialRowwiseAdamRule {
+  LAZY_OPTAX_HYPER(PARTIAL_ROWWISE_ADAM_FIELDS)
+  static constexpr bool kPerRow[] = {false, true};  // mu, nu
+  template <typename M, typename V>
+  __attribute__((always_inline)) static void Row(const Hyper& h,
+                                                 const RowIo& io, M m, V nu) {
+    const int64_t w = io.w;
+    const float v = nu.Put(
+        0, h.b2 * nu[0] + h.one_minus_b2 * (SumOfSquares(io.g, w) * io.inv_w));
+    const float denom = std::sqrt(v / h.bias_correction2 + h.eps_root) + h.eps;
+    for (int64_t k = 0; k < w; ++k) {
+      const float mk = m.Put(k, h.b1 * m[k] + h.one_minus_b1 * io.g[k]);
+      io.u[k] = (mk / h.bias_correction1) / denom;
+    }
+  }
+};
 
 // FTRL-Proximal (TensorFlow's ApplyFtrlV2), per entry, with pw = -lr_power:
 //   gs = g + 2 l2_shrinkage w;  n' = n + g^2;  sigma = (n'^pw - n^pw) / lr
 //   z = z + gs - sigma w;  q = (beta + n'^pw) / lr + 2 l2
 //   w' = (sign(z) l1 - z) / q if |z| > l1 else 0;  update = w' - w
-// hyper = (lr, pw, l1, l2, l2_shrinkage, beta); `params` holds the slots'
-// parameter rows.
 inline float Power(float x, float pw) {
   if (pw == 0.5f) return std::sqrt(x);
   if (pw == 0.0f) return 1.0f;
   return std::pow(x, pw);
 }
 
-template <typename SN, typename SZ>
-void FtrlRows(ffi::ThreadPool& pool, const RuleIo& io, const float* h,
-              const float* params, typename SN::T* acc, typename SZ::T* lin) {
-  const float lr = h[0], pw = h[1], l1 = h[2], l2 = h[3], shrink = h[4];
-  const float beta = h[5];
-  const int64_t w = io.width;
-  ParallelFor(pool, io.n, w, [&](int64_t begin, int64_t end) {
-    for (int64_t s = begin; s < end; ++s) {
-      if (s + kPrefetchAhead < end && Named(io.ids[s + kPrefetchAhead], io.rows)) {
-        const int64_t a = io.ids[s + kPrefetchAhead];
-        Prefetch(acc, a, w * sizeof(typename SN::T), true);
-        Prefetch(lin, a, w * sizeof(typename SZ::T), true);
-      }
-      const int32_t r = io.ids[s];
-      if (!Named(r, io.rows)) continue;
-      typename SN::T* __restrict__ n = acc + static_cast<int64_t>(r) * w;
-      typename SZ::T* __restrict__ z = lin + static_cast<int64_t>(r) * w;
-      const float* __restrict__ gs = io.g + s * w;
-      const float* __restrict__ ws = params + s * w;
-      float* __restrict__ u = io.out + s * w;
-      for (int64_t k = 0; k < w; ++k) {
-        const float gk = gs[k], wk = ws[k];
-        const float nk = SN::Load(n + k);
-        const float n_new = nk + gk * gk;
-        const float n_pow = Power(n_new, pw);
-        const float sigma = (n_pow - Power(nk, pw)) / lr;
-        const float zk = SZ::Rounded(SZ::Load(z + k) +
-                                     (gk + 2.0f * shrink * wk) - sigma * wk);
-        SN::Store(n + k, n_new);
-        SZ::Store(z + k, zk);
-        // The step reads the new state as stored, as the XLA rule does.
-        const float n_pow_s = std::is_same_v<SN, F32>
-                                  ? n_pow
-                                  : Power(SN::Rounded(n_new), pw);
-        float q = (beta + n_pow_s) / lr + 2.0f * l2;
-        if (!(q > 0.0f)) q = 1.0f;
-        const float w_new =
-            std::fabs(zk) > l1 ? (std::copysign(l1, zk) - zk) / q : 0.0f;
-        u[k] = w_new - wk;
-      }
-    }
-  });
-  ZeroUnnamed(io);
-}
+#define FTRL_FIELDS(F) F(lr) F(power) F(l1) F(l2) F(l2_shrinkage) F(beta)
 
-ffi::Error Ftrl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,
-                ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> hyper,
-                ffi::Buffer<ffi::F32> params, ffi::AnyBuffer n_in,
-                ffi::AnyBuffer z_in, ffi::Result<ffi::AnyBuffer> n_out,
-                ffi::Result<ffi::AnyBuffer> z_out,
-                ffi::Result<ffi::Buffer<ffi::F32>> updates) {
-  RuleIo io;
-  const Shape2 t = AsRows(n_in.dimensions());
-  if (auto e = CheckRule("LazyOptaxFtrl", ids, g, updates, io, t.rows);
-      e.failure()) {
-    return e;
+struct FtrlRule {
+  LAZY_OPTAX_HYPER(FTRL_FIELDS)
+  static constexpr bool kPerRow[] = {false, false};  // accumulator, linear
+  template <typename N, typename Z>
+  __attribute__((always_inline)) static void Row(const Hyper& h,
+                                                 const RowIo& io, N n, Z z) {
+    for (int64_t k = 0; k < io.w; ++k) {
+      const float gk = io.g[k], wk = io.p[k];
+      const float nk = n[k];
+      const float n_new = nk + gk * gk;
+      const float n_pow = Power(n_new, h.power);
+      const float sigma = (n_pow - Power(nk, h.power)) / h.lr;
+      const float zk =
+          z.Put(k, z[k] + (gk + 2.0f * h.l2_shrinkage * wk) - sigma * wk);
+      // The step reads the new state as stored, as the XLA rule does.
+      const float n_stored = n.Put(k, n_new);
+      const float n_pow_s = n_stored == n_new ? n_pow : Power(n_stored, h.power);
+      float q = (h.beta + n_pow_s) / h.lr + 2.0f * h.l2;
+      if (!(q > 0.0f)) q = 1.0f;
+      const float w_new =
+          std::fabs(zk) > h.l1 ? (std::copysign(h.l1, zk) - zk) / q : 0.0f;
+      io.u[k] = w_new - wk;
+    }
   }
-  if (t.width != io.width || z_in.element_count() != n_in.element_count() ||
-      hyper.element_count() != 6 ||
-      params.element_count() != g.element_count()) {
-    return ffi::Error::InvalidArgument("LazyOptaxFtrl: operand shapes");
-  }
-  void* n = InPlace(n_in, n_out);
-  void* z = InPlace(z_in, z_out);
-  const float* h = hyper.typed_data();
-  return WithStorage(n_in.element_type(), [&](auto sn) {
-    using SN = decltype(sn);
-    return WithStorage(z_in.element_type(), [&](auto sz) {
-      using SZ = decltype(sz);
-      FtrlRows<SN, SZ>(pool, io, h, params.typed_data(),
-                       static_cast<typename SN::T*>(n),
-                       static_cast<typename SZ::T*>(z));
-      return ffi::Error::Success();
-    });
-  });
-}
+};
 
 }  // namespace
 
@@ -948,64 +859,32 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddStochastic, AddStochastic,
                                   .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::AnyBuffer>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAdam, Adam,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAmsgrad, Amsgrad,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// One FFI target per rule, `Symbol`, with its record's field names exported
+// as `Symbol` + "Fields" (a comma-separated C string).
+#define LAZY_OPTAX_RULE(Symbol, Rule)                                       \
+  static ffi::Error Symbol##Impl(                                           \
+      ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,                      \
+      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> hyper,                 \
+      ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,                 \
+      ffi::Result<ffi::Buffer<ffi::F32>> updates, ffi::RemainingRets outs) { \
+    return RuleKernel<Rule>::Call(#Symbol, pool, ids, g, hyper, params, ins, \
+                                  updates, outs);                           \
+  }                                                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Symbol##Impl,                       \
+                                ffi::Ffi::Bind()                            \
+                                    .Ctx<ffi::ThreadPool>()                 \
+                                    .Arg<ffi::Buffer<ffi::S32>>()           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()           \
+                                    .RemainingArgs()                        \
+                                    .Ret<ffi::Buffer<ffi::F32>>()           \
+                                    .RemainingRets());                      \
+  extern "C" const char* Symbol##Fields() { return Rule::kFields; }
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxRowwiseAdagrad, RowwiseAdagrad,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxPartialRowwiseAdam, PartialRowwiseAdam,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxFtrl, Ftrl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+LAZY_OPTAX_RULE(LazyOptaxAdam, AdamRule)
+LAZY_OPTAX_RULE(LazyOptaxAmsgrad, AmsgradRule)
+LAZY_OPTAX_RULE(LazyOptaxRowwiseAdagrad, RowwiseAdagradRule)
+LAZY_OPTAX_RULE(LazyOptaxPartialRowwiseAdam, PartialRowwiseAdamRule)
+LAZY_OPTAX_RULE(LazyOptaxFtrl, FtrlRule)
