@@ -91,7 +91,7 @@ def test_transform_before_lazy_equals_dense(name, jit):
                              rtol=1e-6, atol=1e-6)
 
 
-def test_issue_reproduction_clip_before_lazy():
+def test_clip_before_lazy_as_first_reported():
   """ids [1, 1, 1, 1, 2], rows of ones: dense norm sqrt(17), not sqrt(5)."""
   g = SparseRows(jnp.array([1, 1, 1, 1, 2]), jnp.ones((5, 1)), 4)
   params = {'t': jnp.zeros((4, 1))}

@@ -17,6 +17,7 @@ from typing import NamedTuple, TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import cpu_kernels
 from lazy_optax._src import dedup
 from lazy_optax._src import id_code
 from lazy_optax._src import sharding as _sharding
@@ -61,10 +62,13 @@ def _with_out_of_range(unique_ids: jax.Array, ids: jax.Array,
   return unique_ids.at[target].set(ids, mode='drop')
 
 
-@functools.partial(jax.jit, static_argnums=2)
 def from_ids(ids: jax.Array, values: jax.Array,
              num_rows: int) -> tuple[jax.Array, jax.Array]:
   """Distinct ids and summed values of `(ids, values)`, in `N` slots.
+
+  Compiled once per input signature and per kernel availability (whether
+  the CPU kernels are loaded is part of the cache key, so a trace made
+  before they load, or with them hidden, is not reused after).
 
   Args:
     ids: integer vector `[N]`, any values (out-of-range ones touch no row).
@@ -74,6 +78,13 @@ def from_ids(ids: jax.Array, values: jax.Array,
   Returns:
     `(ids, values)` of the same shapes and dtypes.
   """
+  return _from_ids(ids, values, num_rows, cpu_kernels.loaded())
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
+              kernels_loaded: bool) -> tuple[jax.Array, jax.Array]:
+  """`from_ids`, traced for one kernel availability (`kernels_loaded`)."""
   # Refused before the sums below hide it.
   check_varying(ids, values, 'SparseRows')
   if ids.shape[0] == 0:
@@ -91,7 +102,6 @@ def from_ids(ids: jax.Array, values: jax.Array,
   return unique_ids, summed
 
 
-@functools.partial(jax.jit, static_argnums=2)
 def from_code(code: jax.Array, values: jax.Array,
               num_rows: int) -> tuple[jax.Array, jax.Array]:
   """`from_ids` for rows held as an id code (a damaged code passes as it is).
@@ -105,12 +115,19 @@ def from_code(code: jax.Array, values: jax.Array,
     `(code, values)`: of the distinct rows when every entry is intact, else
     as given, so that the consumer still sees (and reports) the damage.
   """
+  return _from_code(code, values, num_rows, cpu_kernels.loaded())
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _from_code(code: jax.Array, values: jax.Array, num_rows: int,
+               kernels_loaded: bool) -> tuple[jax.Array, jax.Array]:
+  """`from_code`, traced for one kernel availability (`kernels_loaded`)."""
   decoded = id_code.decode(code, id_code.index_dtype(num_rows))
   emptied = decoded.empty & rows_nonzero(values)
   ok = jnp.all((decoded.intact | decoded.empty) & ~emptied)
   ids = jnp.where(decoded.intact, decoded.ids,
                   jnp.asarray(num_rows, decoded.ids.dtype))
-  unique_ids, summed = from_ids(ids, values, num_rows)
+  unique_ids, summed = _from_ids(ids, values, num_rows, kernels_loaded)
   return (jnp.where(ok, id_code.encode(unique_ids), code),
           jnp.where(ok, summed, values))
 
