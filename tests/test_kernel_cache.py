@@ -18,10 +18,6 @@ import pytest
 
 from lazy_optax._src.cpu_kernels import build
 
-# The library is built once for the module (`built`): keep its tests on one
-# worker of pytest-xdist.
-pytestmark = pytest.mark.xdist_group('kernel_cache')
-
 _STATUS = textwrap.dedent('''
     import logging, sys
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
