@@ -522,6 +522,7 @@ def eight_devices(tmp_path_factory):
   return run_checks('conformance', tmp_path_factory.mktemp('sharded'))
 
 
+@pytest.mark.xdist_group('eight_devices')   # one subprocess for all cases
 @pytest.mark.parametrize('axis_type', ['Auto', 'Explicit'])
 @each_case
 def test_sharded_on_8_devices(case, axis_type, eight_devices):

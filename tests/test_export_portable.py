@@ -1,0 +1,324 @@
+"""The documented train steps lower for GPU and TPU, on this CPU-only machine.
+
+Every optimizer's step (the plain-JAX step of docs/train_steps.md), a hashed
+step (docs/hashed_ids.md: `IdTable.assign` + `reset_rows` + `lookup` +
+update) and a bag step (`lookup_bag`) is exported with
+`jax.export.export(jax.jit(step), platforms=['cuda', 'tpu'])`: the StableHLO a
+GPU or TPU would compile, produced without one. Each module must
+
+- lower at all (`jax.export` also refuses any custom call whose target has
+  no compatibility guarantee, which a C++ kernel target is not);
+- hold no call to lazy_optax's C++ CPU kernels (`lazy_optax_LazyOptax...`
+  targets) anywhere: those exist on the CPU only;
+- hold no host callback (`xla_python_cpu_callback`, `xla_ffi_python_...`,
+  any target naming a Python callback) outside a branch of a conditional.
+
+How the callback check reads the module: it walks the text line by line,
+tracking the braces of regions. A `stablehlo.case` or `stablehlo.if` opens
+regions that run only when their branch is taken; a custom call met while
+such a region is open counts as conditional. Calls into private functions
+(`func.call` / `call @f`) are followed: a callback inside a function counts
+as unconditional when some unconditional path of calls reaches it. The check
+does not prove that a conditional branch is taken only on error (that is
+the job of the error tests); it proves that no host round trip sits on the
+path every step takes. Note that jax 0.10 cannot lower a host callback for
+`cuda` or `tpu` on a CPU-only host at all ("multi-platform lowering for
+python_callback"), so today a step holding one, even in an error branch,
+already fails at the export: the check stands for the day it can.
+
+The same walk counts the sorts, scatters and gathers each step compiles to
+(calls into private functions counted once per call, as XLA inlines them),
+one lowering per platform; docs/performance.md's table "What a GPU or TPU
+compiles" gives them. `python3 tests/test_export_portable.py` prints that
+table. Table sizes are small: the lowering does not depend on them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lazy_optax
+
+NUM_ROWS, DIM, BATCH, BAG = 64, 4, 8, 3
+PLATFORMS = ('cuda', 'tpu')
+COUNTED = ('sort', 'scatter', 'gather')
+
+_KERNEL = re.compile(r'lazy_optax_|LazyOptax')
+_CALLBACK = re.compile(r'callback', re.IGNORECASE)
+_FUNC = re.compile(r'func\.func\s+(?:public\s+|private\s+)?@([\w.$-]+)')
+_CALL = re.compile(r'(?<![\w.])(?:func\.)?call\s+@([\w.$-]+)')
+_TARGET = re.compile(
+    r'stablehlo\.custom_call\s+@([\w.$-]+)|call_target_name\s*=\s*"([^"]+)"')
+_OP = re.compile(r'\bstablehlo\.(\w+)\b')
+_CONDITIONAL = re.compile(r'\bstablehlo\.(?:case|if)\b')
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+
+
+@dataclasses.dataclass
+class _Function:
+  """What one function of a module holds, split by whether it runs always."""
+  ops: collections.Counter = dataclasses.field(
+      default_factory=collections.Counter)
+  targets: list = dataclasses.field(default_factory=list)  # (name, cond)
+  calls: list = dataclasses.field(default_factory=list)    # (callee, cond)
+
+
+def read_module(text: str) -> dict[str, _Function]:
+  """Parses StableHLO text roughly: functions, ops, custom calls, calls, and
+  whether each sits inside a region of a `case`/`if`."""
+  functions: dict[str, _Function] = {}
+  current = _Function()
+  depth = 0
+  open_conditionals: list[int] = []   # brace depth where each case/if began
+  for line in text.splitlines():
+    name = _FUNC.search(line)
+    if name:
+      current = functions.setdefault(name.group(1), _Function())
+    conditional = bool(open_conditionals)
+    for target in _TARGET.finditer(line):
+      current.targets.append((target.group(1) or target.group(2), conditional))
+    for callee in _CALL.finditer(line):
+      current.calls.append((callee.group(1), conditional))
+    code = _STRING.sub('""', line)
+    for op in _OP.finditer(line):
+      current.ops[op.group(1)] += 1
+    if _CONDITIONAL.search(line):
+      open_conditionals.append(depth)
+    depth += code.count('{') - code.count('}')
+    while open_conditionals and depth <= open_conditionals[-1]:
+      open_conditionals.pop()
+  return functions
+
+
+def unconditional_targets(functions: dict[str, _Function],
+                          entry: str = 'main') -> set[str]:
+  """Custom-call targets reached from `entry` outside any conditional."""
+  found: set[str] = set()
+  seen: set[str] = set()
+  todo = [entry]
+  while todo:
+    name = todo.pop()
+    if name in seen or name not in functions:
+      continue
+    seen.add(name)
+    fn = functions[name]
+    found.update(t for t, cond in fn.targets if not cond)
+    todo.extend(c for c, cond in fn.calls if not cond)
+  return found
+
+
+def all_targets(functions: dict[str, _Function]) -> set[str]:
+  return {t for fn in functions.values() for t, _ in fn.targets}
+
+
+def op_counts(functions: dict[str, _Function],
+              entry: str = 'main') -> collections.Counter:
+  """Ops of `entry` with every called function's ops added once per call."""
+  @functools.lru_cache(maxsize=None)
+  def total(name: str) -> tuple:
+    fn = functions.get(name)
+    if fn is None:
+      return ()
+    counts = collections.Counter(fn.ops)
+    for callee, _ in fn.calls:
+      counts.update(dict(total(callee)))
+    return tuple(sorted(counts.items()))
+  return collections.Counter(dict(total(entry)))
+
+
+# --- the documented steps ---------------------------------------------------
+
+def _params():
+  rng = np.random.default_rng(0)
+  return {'table': jnp.asarray(rng.normal(size=(NUM_ROWS, DIM)) * 0.1,
+                               jnp.float32),
+          'w': jnp.ones(DIM, jnp.float32)}
+
+
+def _plain_step(tx):
+  """docs/train_steps.md's plain-JAX step."""
+  def train_step(params, opt_state, ids, y):
+    def loss_fn(p):
+      return jnp.mean((lazy_optax.lookup(p['table'], ids) @ p['w'] - y) ** 2)
+    loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return lazy_optax.apply_updates(params, updates), opt_state, loss
+  params = _params()
+  args = (params, tx.init(params), jnp.zeros(BATCH, jnp.int32),
+          jnp.zeros(BATCH, jnp.float32))
+  return train_step, args
+
+
+def _bag_step():
+  """A multi-hot feature: `lookup_bag` with lengths, mean pooling."""
+  tx = lazy_optax.lazy_adam(0.05)
+
+  def train_step(params, opt_state, ids, lengths, y):
+    def loss_fn(p):
+      pooled = lazy_optax.lookup_bag(p['table'], ids, lengths=lengths)
+      return jnp.mean((pooled @ p['w'] - y) ** 2)
+    loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return lazy_optax.apply_updates(params, updates), opt_state, loss
+  params = _params()
+  args = (params, tx.init(params), jnp.zeros((BATCH, BAG), jnp.int32),
+          jnp.full(BATCH, 2, jnp.int32), jnp.zeros(BATCH, jnp.float32))
+  return train_step, args
+
+
+def _hashed_step():
+  """docs/hashed_ids.md's step: assign + reset_rows + lookup + update."""
+  table_ids = lazy_optax.IdTable(capacity=NUM_ROWS, probe=8, eviction='lru')
+  tx = lazy_optax.lazy_adam(1e-2)
+  init = jax.nn.initializers.normal(0.01)
+  key = jax.random.key(0)
+
+  def train_step(params, opt_state, id_state, words, labels, step):
+    slots, id_state, fresh = table_ids.assign(id_state, words, step=step)
+    params, opt_state = lazy_optax.reset_rows(
+        tx, params, opt_state, {'emb/table': fresh}, init=init, key=key)
+
+    def loss_fn(params):
+      rows = lazy_optax.lookup(params['emb']['table'], slots)
+      return jnp.mean((rows @ params['w'] - labels) ** 2)
+    loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (lazy_optax.apply_updates(params, updates), opt_state, id_state,
+            loss)
+  params = {'emb': {'table': jnp.zeros((NUM_ROWS, DIM))},
+            'w': jnp.ones(DIM)}
+  words = lazy_optax.split_ids(np.arange(BATCH, dtype=np.int64) * 7919)
+  args = (params, tx.init(params), table_ids.init(), words,
+          jnp.ones(BATCH, jnp.float32), 0)
+  return train_step, args
+
+
+STEPS: dict[str, Callable[[], tuple[Callable[..., Any], tuple]]] = {
+    'lazy_adam': lambda: _plain_step(lazy_optax.lazy_adam(0.05)),
+    'lazy_adamw': lambda: _plain_step(lazy_optax.lazy_adamw(0.05)),
+    'adam_with_counter': lambda: _plain_step(
+        lazy_optax.adam_with_counter(0.05)),
+    'rowwise_adagrad': lambda: _plain_step(lazy_optax.rowwise_adagrad(0.1)),
+    'partial_rowwise_adam': lambda: _plain_step(
+        lazy_optax.partial_rowwise_adam(0.05)),
+    'ftrl': lambda: _plain_step(lazy_optax.ftrl(0.1, l1=0.01)),
+    'lazy(optax.adam)': lambda: _plain_step(lazy_optax.lazy(optax.adam(0.05))),
+    'hashed step (lazy_adam)': _hashed_step,
+    'bag step (lazy_adam)': _bag_step,
+}
+
+
+def _export(step, args, platforms):
+  try:
+    return jax.export.export(jax.jit(step, donate_argnums=(0, 1)),
+                             platforms=list(platforms))(*args)
+  except (NotImplementedError, ValueError) as e:
+    raise AssertionError(
+        f'the step does not lower for {platforms}: {e}'[:2000]) from e
+
+
+@functools.lru_cache(maxsize=None)
+def exported(name: str, platforms: tuple[str, ...]) -> dict[str, _Function]:
+  """The parsed module of one step for `platforms`, lowered once."""
+  step, args = STEPS[name]()
+  return read_module(_export(step, args, platforms).mlir_module())
+
+
+# --- the checker itself is checked on modules that do hold what it rejects --
+
+def _check(functions):
+  kernels = sorted(t for t in all_targets(functions) if _KERNEL.search(t))
+  callbacks = sorted(t for t in unconditional_targets(functions)
+                     if _CALLBACK.search(t))
+  return kernels, callbacks
+
+
+def test_check_finds_callbacks_outside_conditionals_only():
+  def cb(x):
+    return x
+
+  def always(x):
+    return jax.pure_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+  def on_error(x):
+    return jax.lax.cond(x[0] < 0, always, lambda x: x, x)
+
+  def nested(x):   # the callback inside a private function under a cond
+    return jax.lax.cond(x[0] < 0, jax.jit(always), lambda x: x, x)
+
+  def called(x):   # the callback inside a private function, always called
+    return jax.jit(always)(x) + 1
+
+  x = jnp.ones(3)
+  text = {f.__name__: jax.jit(f).lower(x).as_text()
+          for f in (always, on_error, nested, called)}
+  for name, rejected in (('always', True), ('on_error', False),
+                         ('nested', False), ('called', True)):
+    functions = read_module(text[name])
+    assert any(_CALLBACK.search(t) for t in all_targets(functions)), name
+    assert bool(_check(functions)[1]) == rejected, (name, text[name])
+
+
+def test_check_finds_cpu_kernels():
+  """On the CPU the same lazy_adam step calls the C++ kernel, and the check
+  names it."""
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  step, args = STEPS['lazy_adam']()
+  text = jax.jit(step).lower(*args).as_text()
+  kernels, _ = _check(read_module(text))
+  assert 'lazy_optax_LazyOptaxAdam' in kernels, kernels
+
+
+# --- the steps --------------------------------------------------------------
+
+@pytest.mark.parametrize('name', list(STEPS))
+def test_step_lowers_for_gpu_and_tpu_without_kernels_or_callbacks(name):
+  functions = exported(name, PLATFORMS)
+  kernels, callbacks = _check(functions)
+  assert not kernels, f'{name}: C++ kernel calls for {PLATFORMS}: {kernels}'
+  assert not callbacks, (
+      f'{name}: host callbacks outside a conditional: {callbacks}')
+  counts = op_counts(functions)
+  # A step that trains a table gathers its rows and scatters them back.
+  assert counts['gather'] >= 1 and counts['scatter'] >= 1, counts
+
+
+def op_count_table() -> str:
+  """docs/performance.md's table: sorts / scatters / gathers per step and
+  platform."""
+  lines = ['| step | ' + ' | '.join(
+               f'{p}: {", ".join(COUNTED)}' for p in PLATFORMS) + ' |',
+           '| --- |' + ' ---: |' * len(PLATFORMS)]
+  for name in STEPS:
+    cells = []
+    for platform in PLATFORMS:
+      counts = op_counts(exported(name, (platform,)))
+      cells.append(' / '.join(str(counts[op]) for op in COUNTED))
+    lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
+  return '\n'.join(lines)
+
+
+def test_op_counts_per_platform(capsys):
+  """Each platform's own lowering, counted; the table is printed (run with
+  `-s`) for docs/performance.md."""
+  table = op_count_table()
+  with capsys.disabled():
+    print('\n' + table)
+  for name in STEPS:
+    for platform in PLATFORMS:
+      counts = op_counts(exported(name, (platform,)))
+      assert counts['scatter'] >= 1, (name, platform, counts)
+
+
+if __name__ == '__main__':
+  print(op_count_table())
