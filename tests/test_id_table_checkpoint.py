@@ -23,6 +23,9 @@ import id_table_checkpoint_checks  # pylint: disable=g-import-not-at-top,wrong-i
 
 NAMES = sorted(id_table_checkpoint_checks.configs())
 
+# One worker runs the two processes for every case (the cache is per process).
+pytestmark = pytest.mark.xdist_group('id_table_checkpoint')
+
 
 def _child(mode, root):
   env = dict(os.environ)

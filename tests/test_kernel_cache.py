@@ -29,8 +29,27 @@ _STATUS = textwrap.dedent('''
 ''')
 
 
+@pytest.fixture(scope='module', autouse=True)
+def _quick_compiler(tmp_path_factory):
+  """`$CXX` for these tests: the system's compiler at -O0.
+
+  The cases check where a library comes from and when it is trusted, not
+  its speed; an unoptimized build takes a third of the time. A case that
+  sets `CXX` itself (no compiler, a broken one) still overrides it.
+  """
+  folder = tmp_path_factory.mktemp('quick_cxx')
+  script = folder / 'c++'
+  script.write_text(f'#!/bin/sh\nexec {build.compiler()} "$@" -O0\n')
+  script.chmod(0o755)
+  _QUICK_CXX['CXX'] = str(script)
+
+
+_QUICK_CXX: dict = {}
+
+
 def _run(code, cache, **env):
-  environ = dict(os.environ, LAZY_OPTAX_CACHE=str(cache), JAX_PLATFORMS='cpu')
+  environ = dict(os.environ, LAZY_OPTAX_CACHE=str(cache), JAX_PLATFORMS='cpu',
+                 **_QUICK_CXX)
   environ.update(env)
   return subprocess.run([sys.executable, '-c', code], env=environ,
                         capture_output=True, text=True, timeout=600,
@@ -242,7 +261,8 @@ def test_a_prebuilt_library_serves_a_machine_without_compiler(built,
 
 def test_processes_starting_together_build_once(tmp_path):
   cache = tmp_path / 'cache'
-  environ = dict(os.environ, LAZY_OPTAX_CACHE=str(cache), JAX_PLATFORMS='cpu')
+  environ = dict(os.environ, LAZY_OPTAX_CACHE=str(cache), JAX_PLATFORMS='cpu',
+                 **_QUICK_CXX)
   procs = [subprocess.Popen([sys.executable, '-c', _STATUS], env=environ,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True) for _ in range(3)]
