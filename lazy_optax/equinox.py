@@ -335,5 +335,5 @@ class HashEmbeddingBag(EmbeddingBag):
 
 __all__ = ('apply_updates', 'Embedding', 'EmbeddingBag',
            'filter_value_and_grad',
-           # Hashed ids (issue 21).
+           # Hashed ids.
            'HashEmbedding', 'HashEmbeddingBag')

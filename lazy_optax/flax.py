@@ -545,6 +545,6 @@ def nnx_reset_rows(model: nnx.Module, optimizer: nnx.Optimizer,
 
 __all__ = ('Embed', 'EmbedBag', 'NnxEmbed', 'NnxEmbedBag',
            'nnx_value_and_grad',
-           # Hashed ids (issue 21).
+           # Hashed ids.
            'HashEmbed', 'HashEmbedBag', 'NnxHashEmbed', 'NnxHashEmbedBag',
            'nnx_reset_rows')

@@ -234,5 +234,5 @@ class HashEmbedBag(EmbedBag):
 
 
 __all__ = ('Embed', 'EmbedBag',
-           # Hashed ids (issue 21).
+           # Hashed ids.
            'HashEmbed', 'HashEmbedBag')
