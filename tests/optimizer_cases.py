@@ -158,6 +158,28 @@ ADAM_WITH_COUNTER = Case(
                     'row_count': jnp.int32}, 3e-2),),
     rtol=3e-5, steps=14, impls=('generic', 'xla'))
 
+_COUNTER_ADAGRAD_KW = dict(weight_decay=0.1,
+                          counter_weight_decay_mode='adagradw')
+_COUNTER_ADAGRAD_SLOTS = (Slot('sum_of_squares', 'g2', 1e-5, 1e-7),
+                          Slot('row_counter', 'row_counter', 1e-6, 0),
+                          Slot('last_step', 'last_step', 0, 0))
+
+ROWWISE_ADAGRAD_WITH_COUNTER = Case(
+    'rowwise_adagrad_with_counter', lazy_optax.rowwise_adagrad_with_counter,
+    0.1, _COUNTER_ADAGRAD_KW,
+    lambda t, lr: reference.RowwiseAdagradWithCounter(
+        t, lr=lr, **_COUNTER_ADAGRAD_KW),
+    _COUNTER_ADAGRAD_SLOTS, ('last_step', 'row_counter', 'sum_of_squares'),
+    chained=lambda: lazy_optax.lazy(optax.chain(
+        optax.clip_by_global_norm(1e6),
+        lazy_optax.rowwise_adagrad_with_counter(0.1, **_COUNTER_ADAGRAD_KW))),
+    dtypes=(Dtypes(_BF16, {}, {'sum_of_squares': jnp.float32,
+                               'row_counter': jnp.float32,
+                               'last_step': jnp.int32}, 3e-2),
+            Dtypes(jnp.float32, dict(accumulator_dtype=_BF16),
+                   {'sum_of_squares': _BF16}, 2e-2)),
+    rtol=2e-5, steps=16, impls=('generic', 'xla'))
+
 OPTAX_ADAM = Case(
     'lazy(optax.adam)',
     lambda learning_rate: lazy_optax.lazy(optax.adam(learning_rate)), 0.01, {},
@@ -171,7 +193,7 @@ OPTAX_ADAM = Case(
 
 # Every property is checked on each of these.
 CASES = (LAZY_ADAM, ROWWISE_ADAGRAD, PARTIAL_ROWWISE_ADAM, FTRL,
-         ADAM_WITH_COUNTER, OPTAX_ADAM)
+         ADAM_WITH_COUNTER, ROWWISE_ADAGRAD_WITH_COUNTER, OPTAX_ADAM)
 
 
 def _variant(case: Case, name: str, model: Callable[..., Any],
@@ -211,6 +233,41 @@ def _counter_variant(bias_correction: str, catch_up: bool,
       lambda t, lr: reference.AdamWithCounter(t, lr=lr, **kw), **kw)
 
 
+# FBGEMM's COUNTER configurations: decay modes, half-lives, learning-rate
+# modes (a max_counter refreshed every 3 steps), a late adjustment start.
+_COUNTER_ADAGRAD_CONFIGS = {
+    'none,halflife=4': dict(counter_halflife=4),
+    'l2,halflife=3': dict(weight_decay=0.2, counter_weight_decay_mode='l2',
+                          counter_halflife=3),
+    'decoupled,halflife=5': dict(weight_decay=0.2,
+                                 counter_weight_decay_mode='decoupled',
+                                 counter_halflife=5),
+    'adagradw,halflife=-2': dict(weight_decay=0.3,
+                                 counter_weight_decay_mode='adagradw',
+                                 counter_halflife=-2, adjustment_ub=0.5),
+    'adagradw,adjustment_iter=4': dict(
+        weight_decay=0.3, counter_weight_decay_mode='adagradw',
+        adjustment_iter=4),
+    'tail_id_lr_increase': dict(
+        learning_rate_mode='tail_id_lr_increase', adjustment_ub=0.7,
+        tail_id_threshold=1.0, max_counter_update_freq=3),
+    'tail_id_lr_decrease,ratio': dict(
+        learning_rate_mode='tail_id_lr_decrease', adjustment_ub=0.5,
+        tail_id_threshold=0.3, tail_id_threshold_is_ratio=True,
+        max_counter_update_freq=3, counter_halflife=0),
+    'counter_sgd,decoupled': dict(
+        learning_rate_mode='counter_sgd', adjustment_ub=2.0,
+        weight_decay=0.1, counter_weight_decay_mode='decoupled',
+        counter_halflife=6),
+}
+
+
+def _counter_adagrad_variant(name: str, kw: dict) -> Case:
+  return _variant(ROWWISE_ADAGRAD_WITH_COUNTER, name,
+                  lambda t, lr: reference.RowwiseAdagradWithCounter(
+                      t, lr=lr, **kw), **kw)
+
+
 # The rule against the model: every optimizer, in each configuration.
 RULE_CASES = CASES + (
     _variant(LAZY_ADAM, 'amsgrad',
@@ -241,6 +298,8 @@ RULE_CASES = CASES + (
         ('global', True, None),
         ('global', True, 'skipped'),
     )),
+    *(_counter_adagrad_variant(name, kw)
+      for name, kw in _COUNTER_ADAGRAD_CONFIGS.items()),
 )
 
 BY_NAME = {case.name: case for case in RULE_CASES}

@@ -117,6 +117,93 @@ class RowwiseAdagrad:
     return sorted(summed)
 
 
+class RowwiseAdagradWithCounter:
+  """FBGEMM's EXACT_ROWWISE_ADAGRAD with WeightDecayMode.COUNTER, per row.
+
+  Written from FBGEMM's CPU kernel (`split_weight_update_cpu` of
+  `rowwise_adagrad_with_counter` in codegen/genscript/optimizers.py), in
+  float64: `t` starts at 1; `max_counter` becomes one plus the largest
+  counter ever stored (at least 1) every `max_counter_update_freq` steps,
+  before the step; `last_step` 0 means never touched.
+  """
+
+  def __init__(self, table, lr=0.1, eps=1e-8, weight_decay=0.0,
+               counter_weight_decay_mode='none', counter_halflife=-1,
+               adjustment_iter=-1, adjustment_ub=1.0,
+               learning_rate_mode='equal', tail_id_threshold=0.0,
+               tail_id_threshold_is_ratio=False,
+               max_counter_update_freq=1000):
+    self.p = np.array(table, np.float64)
+    n = self.p.shape[0]
+    self.g2 = np.zeros(n)
+    self.row_counter = np.zeros(n)
+    self.last_step = np.zeros(n, np.int64)
+    self.lr, self.eps, self.wd = lr, eps, weight_decay
+    self.mode, self.halflife = counter_weight_decay_mode, counter_halflife
+    self.adj_iter, self.ub = adjustment_iter, adjustment_ub
+    self.lr_mode, self.tail = learning_rate_mode, tail_id_threshold
+    self.is_ratio, self.freq = tail_id_threshold_is_ratio, (
+        max_counter_update_freq)
+    self.max_counter, self.peak = 1.0, 1.0
+    self.t = 0
+
+  def _counter(self, r, delta):
+    if self.halflife > 0:
+      rho = np.log(2.0) / self.halflife
+      return 1.0 + np.exp(-delta * rho) * self.row_counter[r]
+    if self.halflife == 0:
+      return 1.0
+    return self.row_counter[r] + 1.0
+
+  def _adjusted(self, m, c, lr, enabled):
+    thr = self.tail
+    if self.is_ratio:
+      thr = np.floor(self.tail * self.max_counter)
+    if self.lr_mode == 'equal' or not enabled or not c > thr:
+      return m
+    if self.lr_mode == 'tail_id_lr_increase':
+      return m * max(min((self.max_counter / (c + 1.0)) ** self.ub, 10.0), 1.0)
+    if self.lr_mode == 'tail_id_lr_decrease':
+      return m * min(max(((c + 1.0) / self.max_counter) ** self.ub, 0.1), 1.0)
+    return lr / (np.sqrt(self.ub * c) + self.eps)
+
+  def _row(self, r, g, lr):
+    t, w = self.t, self.p[r]
+    delta = 1.0 if self.last_step[r] == 0 else float(t - self.last_step[r])
+    c = self.row_counter[r] = self._counter(r, delta)
+    freq = self.halflife / c
+    g_acc = g + self.wd * w if self.mode == 'l2' else g
+    self.g2[r] += _row_mean_square(g_acc)
+    m = lr / (np.sqrt(self.g2[r]) + self.eps)
+    enabled = self.adj_iter <= 0 or t > self.adj_iter
+    adj, corr = self._adjusted(m, c, lr, enabled), 1.0
+    if enabled and self.mode == 'adagradw':
+      if self.halflife == -1:
+        adj = m * np.sqrt(c)
+      elif self.halflife == -2:
+        adj = min(lr * c, self.ub) / (np.sqrt(self.g2[r]) + self.eps)
+      corr = 1.0 - self.wd * lr
+      lazy = corr ** (min(delta, t - self.adj_iter) - 1.0)
+      adj, corr = adj * lazy, corr * lazy
+    elif enabled and self.mode == 'decoupled':
+      corr = 1.0 - freq * self.wd * lr
+    elif enabled and self.mode == 'l2':
+      corr = 1.0 - freq * self.wd * m
+    self.last_step[r] = t
+    self.p[r] = corr * w - adj * g
+    self.peak = max(self.peak, c)
+
+  def step(self, ids, values, lr=None):
+    lr = self.lr if lr is None else lr
+    self.t += 1
+    if self.freq > 0 and self.t % self.freq == 0:
+      self.max_counter = self.peak + 1.0
+    summed = summed_rows(ids, values, self.p.shape[0])
+    for r, g in summed.items():
+      self._row(r, g, lr)
+    return sorted(summed)
+
+
 class PartialRowwiseAdam:
   """FBGEMM's PARTIAL_ROWWISE_ADAM on the touched rows (global step t).
 
