@@ -47,8 +47,12 @@ from lazy_optax._src.partial_rowwise_adam import ScaleByPartialRowwiseAdamState
 from lazy_optax._src.rowwise_adagrad import rowwise_adagrad
 from lazy_optax._src.rowwise_adagrad import scale_by_rowwise_adagrad
 from lazy_optax._src.rowwise_adagrad import ScaleByRowwiseAdagradState
-from lazy_optax._src.rowwise_adagrad_with_counter import rowwise_adagrad_with_counter
-from lazy_optax._src.rowwise_adagrad_with_counter import RowwiseAdagradWithCounterState
+from lazy_optax._src.rowwise_adagrad_with_counter import (
+    rowwise_adagrad_with_counter,
+)
+from lazy_optax._src.rowwise_adagrad_with_counter import (
+    RowwiseAdagradWithCounterState,
+)
 from lazy_optax._src.sparse_rows import SparseRows
 
 # isort: split

@@ -90,6 +90,137 @@ def run_fbgemm(data: dict, learning_rate: float, eps: float) -> dict:
           'torch_version': np.array(torch.__version__)}
 
 
+# -- WeightDecayMode.COUNTER (rowwise_adagrad_with_counter) -----------------
+
+COUNTER_OUT = os.path.join(HERE, 'fbgemm_rowwise_adagrad_counter.npz')
+
+# lazy_optax's keyword arguments of each configuration; FBGEMM's
+# CounterBasedRegularizationDefinition is built from them.
+COUNTER_CONFIGS = {
+    'adagradw': dict(weight_decay=0.1, counter_weight_decay_mode='adagradw'),
+    'adagradw_halflife-2_iter5': dict(
+        weight_decay=0.2, counter_weight_decay_mode='adagradw',
+        counter_halflife=-2, adjustment_ub=0.1, adjustment_iter=5),
+    'decoupled_halflife8_increase': dict(
+        weight_decay=0.1, counter_weight_decay_mode='decoupled',
+        counter_halflife=8, learning_rate_mode='tail_id_lr_increase',
+        adjustment_ub=0.5, tail_id_threshold=1.0),
+    'l2_halflife4_counter_sgd': dict(
+        weight_decay=0.05, counter_weight_decay_mode='l2', counter_halflife=4,
+        learning_rate_mode='counter_sgd', adjustment_ub=2.0),
+    'none_halflife0_decrease_ratio': dict(
+        counter_halflife=0, learning_rate_mode='tail_id_lr_decrease',
+        adjustment_ub=0.5, tail_id_threshold=0.5,
+        tail_id_threshold_is_ratio=True),
+    'none_counter_sgd': dict(learning_rate_mode='counter_sgd',
+                             adjustment_ub=3.0),
+}
+
+
+def counter_inputs(seed: int, rows: int, row: int, ids: int,
+                   steps: int) -> dict:
+  """Ids for the counters: duplicates, long absences, rows first seen late.
+
+  Rows `[0, 4)` are hot (every step, duplicated), rows `[4, rows // 4)`
+  come back only every 7th step, rows from `rows // 2` first appear in the
+  second half, the last eighth of the rows is never looked up.
+  """
+  rng = np.random.default_rng(seed)
+  table0 = (rng.normal(size=(rows, row)) * 0.3).astype(np.float32)
+  never = rows - rows // 8
+  id_steps = []
+  for s in range(steps):
+    hot = rng.integers(0, 4, ids // 4)
+    pool = np.arange(rows // 4, rows // 2 if s < steps // 2 else never)
+    if s % 7 == 3:
+      pool = np.concatenate([pool, np.arange(4, rows // 4)])
+    cold = rng.choice(pool, ids - ids // 4)
+    id_steps.append(rng.permutation(np.concatenate([hot, cold])).astype(
+        np.int32))
+  grads = rng.normal(size=(steps, ids, row)).astype(np.float32)
+  return {'table0': table0, 'ids': np.stack(id_steps), 'grads': grads}
+
+
+# lazy_optax's counter_weight_decay_mode -> FBGEMM's CounterWeightDecayMode.
+_DECAY_MODES = {'none': 'NONE', 'l2': 'L2', 'decoupled': 'DECOUPLE',
+                'adagradw': 'ADAGRADW'}
+
+
+def _counter_definition(kw: dict):
+  """FBGEMM's CounterBasedRegularizationDefinition for lazy_optax's args."""
+  # pylint: disable=g-import-not-at-top
+  from fbgemm_gpu.tbe.config import optimizer_config as oc
+  return oc.CounterBasedRegularizationDefinition(
+      counter_weight_decay_mode=oc.CounterWeightDecayMode[_DECAY_MODES[
+          kw.get('counter_weight_decay_mode', 'none')]],
+      counter_halflife=kw.get('counter_halflife', -1),
+      adjustment_iter=kw.get('adjustment_iter', -1),
+      adjustment_ub=kw.get('adjustment_ub', 1.0),
+      learning_rate_mode=oc.LearningRateMode[
+          kw.get('learning_rate_mode', 'equal').upper()],
+      tail_id_threshold=oc.TailIdThreshold(
+          val=kw.get('tail_id_threshold', 0.0),
+          is_ratio=kw.get('tail_id_threshold_is_ratio', False)))
+
+
+def run_fbgemm_counter(data: dict, kw: dict, learning_rate: float,
+                       eps: float) -> dict:
+  """FBGEMM's tables and (accumulator, last step, counter) after each step."""
+  # pylint: disable=g-import-not-at-top
+  from fbgemm_gpu import split_embedding_configs as configs
+  from fbgemm_gpu import split_table_batched_embeddings_ops_common as ops
+  from fbgemm_gpu import split_table_batched_embeddings_ops_training as train
+  from fbgemm_gpu.tbe.config import optimizer_config as oc
+  import torch
+
+  rows, row = data['table0'].shape
+  tbe = train.SplitTableBatchedEmbeddingBagsCodegen(
+      [(rows, row, ops.EmbeddingLocation.HOST, ops.ComputeDevice.CPU)],
+      optimizer=configs.EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+      learning_rate=learning_rate, eps=eps,
+      weight_decay=kw.get('weight_decay', 0.0),
+      weight_decay_mode=oc.WeightDecayMode.COUNTER,
+      counter_based_regularization=_counter_definition(kw),
+      pooling_mode=ops.PoolingMode.NONE, device='cpu')
+  with torch.no_grad():
+    tbe.split_embedding_weights()[0].copy_(torch.from_numpy(data['table0']))
+  tables, states = [], []
+  for step_ids, g in zip(data['ids'], data['grads']):
+    indices = torch.from_numpy(step_ids.astype(np.int64))
+    offsets = torch.arange(indices.numel() + 1, dtype=torch.int64)
+    tbe(indices, offsets).backward(torch.from_numpy(g))
+    tables.append(tbe.split_embedding_weights()[0].detach().numpy().copy())
+    states.append(np.stack([x.detach().numpy().copy()
+                            for x in tbe.split_optimizer_states()[0]]))
+  return {'tables': np.stack(tables), 'states': np.stack(states)}
+
+
+def make_counter_fixture(out: str, seed: int, rows: int, row: int, ids: int,
+                         steps: int, learning_rate: float, eps: float) -> None:
+  """One input stream through every `COUNTER_CONFIGS` entry, into `out`.
+
+  Keys: the inputs, `names`, `<name>/tables` `[steps, rows, row]` and
+  `<name>/states` `[steps, 3, rows]` (FBGEMM's `momentum1`, `prev_iter`,
+  `row_counter`), and the versions.
+  """
+  # pylint: disable=g-import-not-at-top
+  import fbgemm_gpu
+  import torch
+  data = counter_inputs(seed, rows, row, ids, steps)
+  for name, kw in COUNTER_CONFIGS.items():
+    got = run_fbgemm_counter(data, kw, learning_rate, eps)
+    data[f'{name}/tables'] = got['tables']
+    data[f'{name}/states'] = got['states']
+  data['names'] = np.array(list(COUNTER_CONFIGS))
+  data['learning_rate'] = np.float32(learning_rate)
+  data['eps'] = np.float32(eps)
+  data['fbgemm_version'] = np.array(getattr(fbgemm_gpu, '__version__', '?'))
+  data['torch_version'] = np.array(torch.__version__)
+  np.savez_compressed(out, **data)
+  print(f'wrote {out}: {len(COUNTER_CONFIGS)} COUNTER configurations, '
+        f'{steps} steps of {ids} ids into {rows} x {row}')
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--out', default=DEFAULT_OUT)
@@ -101,7 +232,16 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=6)
   parser.add_argument('--learning-rate', type=float, default=0.05)
   parser.add_argument('--eps', type=float, default=1e-8)
+  parser.add_argument('--counter', action='store_true',
+                      help='WeightDecayMode.COUNTER configurations instead '
+                      f'(default --out {os.path.basename(COUNTER_OUT)})')
   args = parser.parse_args()
+  if args.counter:
+    make_counter_fixture(
+        COUNTER_OUT if args.out == DEFAULT_OUT else args.out, args.seed,
+        args.rows, args.row, args.ids, args.steps, args.learning_rate,
+        args.eps)
+    return
   data = inputs(args.seed, args.rows, args.row, args.ids, args.steps)
   data.update(run_fbgemm(data, args.learning_rate, args.eps))
   data['learning_rate'] = np.float32(args.learning_rate)
