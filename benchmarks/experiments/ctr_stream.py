@@ -54,7 +54,7 @@ class Split(NamedTuple):
 
 def _zipf_ranks(rng: np.random.Generator, n: int, vocab: int,
                 exponent: float) -> np.ndarray:
-  """`n` ranks in [0, vocab) with P(rank r) proportional to (r + 1)^-exponent."""
+  """`n` ranks in [0, vocab), P(rank r) proportional to (r + 1)^-exponent."""
   p = np.arange(1, vocab + 1, dtype=np.float64) ** -exponent
   cdf = np.cumsum(p / p.sum())
   return np.minimum(np.searchsorted(cdf, rng.random(n)), vocab - 1)
@@ -187,7 +187,7 @@ ExtraArgs = Callable[[np.ndarray], dict]
 
 def train(tx: optax.GradientTransformation, split: Split, *,
           batch_size: int = 1024, epochs: int = 3,
-          model: FactorizationMachine = FactorizationMachine(),
+          model: Optional[FactorizationMachine] = None,
           extra_args: Optional[ExtraArgs] = None,
           masks: Optional[dict] = None, seed: int = 0) -> dict:
   """Trains `model` with `tx`; held-out losses after each epoch.
@@ -197,7 +197,7 @@ def train(tx: optax.GradientTransformation, split: Split, *,
     split: the data (`make_split`).
     batch_size: samples per step.
     epochs: passes over the training samples.
-    model: the model to train.
+    model: the model to train (default `FactorizationMachine()`).
     extra_args: `ids -> dict` of keyword arguments for `tx.update` (for
       transformations that take extra arguments), or None.
     masks: `{name: bool mask over split.test}`: also report the held-out loss
@@ -207,6 +207,7 @@ def train(tx: optax.GradientTransformation, split: Split, *,
   Returns:
     `{'all': [loss after epoch 1, ...], name: [...] per mask, 'seconds': s}`.
   """
+  model = model or FactorizationMachine()
   params = model.init(split.num_rows, seed)
   state = tx.init(params)
   grad_fn = lazy_optax.value_and_grad(model.loss)
