@@ -47,6 +47,8 @@ from lazy_optax._src.partial_rowwise_adam import ScaleByPartialRowwiseAdamState
 from lazy_optax._src.rowwise_adagrad import rowwise_adagrad
 from lazy_optax._src.rowwise_adagrad import scale_by_rowwise_adagrad
 from lazy_optax._src.rowwise_adagrad import ScaleByRowwiseAdagradState
+from lazy_optax._src.rowwise_rmsprop_ar import rowwise_rmsprop_ar
+from lazy_optax._src.rowwise_rmsprop_ar import RowwiseRmspropArState
 from lazy_optax._src.sparse_rows import SparseRows
 
 # isort: split
@@ -86,6 +88,8 @@ __all__ = (
     'ScaleByPartialRowwiseAdamState',
     'ftrl',
     'FtrlState',
+    'rowwise_rmsprop_ar',
+    'RowwiseRmspropArState',
     # Which row-update implementation runs where, and why.
     'kernel_status',
     'explain_update',
