@@ -193,7 +193,7 @@ def _ar_replay(data, jit, impl='auto'):
   for ids, grads in zip(data['ids'], data['grads']):
     params, state = step(params, state, jnp.asarray(ids), jnp.asarray(grads))
     out['tables'].append(np.asarray(params['table']))
-    out['momentum'].append(np.asarray(state.v['table']))
+    out['momentum'].append(np.asarray(state.nu['table']))
     out['prev_iter'].append(np.asarray(state.prev_iter['table']))
   return {k: np.stack(v) for k, v in out.items()}
 

@@ -16,9 +16,10 @@ the summed row gradient, `t` the global step counted from 1):
     w_r <- max(min_shrinkage, 1 - lambda_r) * w_r - lr * g_r / (sqrt(v_r) + eps)
     prev_iter_r <- t
 
-The state is two numbers a row: `v` (float32) and `prev_iter` (int32, 0 for
-a row never updated; int32 whatever the table's dtype, so step counts stay
-exact). With `ar_alpha=0` the rule is plain row-wise RMSprop. The update
+The state is two numbers a row: `v` (the field `nu`, float32, FBGEMM's
+`momentum1`) and `prev_iter` (int32, 0 for a row never updated; int32
+whatever the table's dtype, so step counts stay exact, where FBGEMM keeps a
+float32 that stops counting exactly past 2**24 steps). With `ar_alpha=0` the rule is plain row-wise RMSprop. The update
 returned is `w_new - w` (the rule reads the weights), so `update` needs
 `params`. On a `SparseRows` gradient only the touched rows change; a dense
 gradient touches every row at every step (so `I` is 1 from the second
@@ -46,7 +47,7 @@ from lazy_optax._src.numerics import row_mean_square
 class RowwiseRmspropArState(NamedTuple):
   """State of `rowwise_rmsprop_ar`."""
   count: chex.Array  # int32 scalar, the global step (updates done)
-  v: optax.Updates  # [num_rows] per parameter: the EMA of mean(g^2)
+  nu: optax.Updates  # [num_rows] per parameter: v, the EMA of mean(g^2)
   prev_iter: optax.Updates  # int32 [num_rows]: the step of the last update
 
 
@@ -74,17 +75,17 @@ def _rule() -> fused.RowRule:
 
   def new_rows(g, rows, params, hyper):
     del params
-    v = rows['v']
+    v = rows['nu']
     dtype = compute_dtype(g.dtype, v.dtype)
     ms = row_mean_square(g.astype(dtype))
     new_v = (jnp.asarray(hyper['ema_beta'], dtype) * v.astype(dtype)
              + jnp.asarray(hyper['one_minus_beta'], dtype) * ms)
     prev = rows['prev_iter']
-    return {'v': new_v,
+    return {'nu': new_v,
             'prev_iter': jnp.full(prev.shape, hyper['step'], prev.dtype)}
 
   def step(g, stored, params, hyper, rows):
-    v = stored['v']
+    v = stored['nu']
     w = jnp.asarray(params)
     dtype = compute_dtype(g.dtype, w.dtype, v.dtype)
     lr = jnp.asarray(hyper['lr'], dtype)
@@ -102,7 +103,7 @@ def _rule() -> fused.RowRule:
         *(hyper[k] for k in RowwiseRmspropArKernelHyper._fields))
 
   return fused.RowRule('rowwise_rmsprop_ar', new_rows, step,
-                       ('v', 'prev_iter'), 'LazyOptaxRowwiseRmspropAr',
+                       ('nu', 'prev_iter'), 'LazyOptaxRowwiseRmspropAr',
                        kernel_hyper, needs_params=True,
                        step_reads_old_rows=True, int_tables=('prev_iter',))
 
@@ -123,7 +124,7 @@ def _rowwise_rmsprop_ar_rule(
   def init_fn(params):
     return RowwiseRmspropArState(
         count=jnp.zeros([], jnp.int32),
-        v=jax.tree.map(lambda p: per_row_full(p, accumulator_dtype), params),
+        nu=jax.tree.map(lambda p: per_row_full(p, accumulator_dtype), params),
         prev_iter=jax.tree.map(lambda p: per_row_full(p, jnp.int32), params))
 
   def update_fn(updates, state, params=None):
@@ -139,7 +140,7 @@ def _rowwise_rmsprop_ar_rule(
                  one_minus_beta=1 - ema_beta, min_shrinkage=min_shrinkage,
                  eps=eps, step=count)
     new_updates, new = fused.apply_rule(
-        rule, updates, {'v': state.v, 'prev_iter': state.prev_iter}, params,
+        rule, updates, {'nu': state.nu, 'prev_iter': state.prev_iter}, params,
         hyper, impl)
     return new_updates, RowwiseRmspropArState(count, **new)
 
@@ -173,14 +174,15 @@ def rowwise_rmsprop_ar(
     ar_alpha: strength of the adaptive regularization, `>= 0` (0: none).
     min_shrinkage: the least factor a row keeps when it shrinks, in [0, 1].
     eps: added to `sqrt(v)` (outside the root, as FBGEMM).
-    accumulator_dtype: dtype of `v` (default float32); `prev_iter` is int32.
+    accumulator_dtype: dtype of `v` (the state's `nu`, default float32);
+      `prev_iter` is int32.
     impl: how the touched rows are updated: `'auto'`, `'generic'`, `'xla'`
       or `'cpu_kernel'` (see `lazy_optax.explain_update`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
-    `RowwiseRmspropArState(count, v, prev_iter)`; its `update` needs
-    `params`.
+    `RowwiseRmspropArState(count, nu, prev_iter)` (`nu` holds `v`, the slot
+    `'v'` of `lazy_optax.compat.get_slot`); its `update` needs `params`.
 
   Raises:
     ValueError: naming an argument out of its range.
