@@ -53,6 +53,8 @@ from lazy_optax._src.rowwise_adagrad_with_counter import (
 from lazy_optax._src.rowwise_adagrad_with_counter import (
     RowwiseAdagradWithCounterState,
 )
+from lazy_optax._src.rowwise_rmsprop_ar import rowwise_rmsprop_ar
+from lazy_optax._src.rowwise_rmsprop_ar import RowwiseRmspropArState
 from lazy_optax._src.sparse_rows import SparseRows
 
 # isort: split
@@ -94,6 +96,8 @@ __all__ = (
     'ScaleByPartialRowwiseAdamState',
     'ftrl',
     'FtrlState',
+    'rowwise_rmsprop_ar',
+    'RowwiseRmspropArState',
     # Which row-update implementation runs where, and why.
     'kernel_status',
     'explain_update',

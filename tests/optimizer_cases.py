@@ -180,6 +180,22 @@ ROWWISE_ADAGRAD_WITH_COUNTER = Case(
                    {'sum_of_squares': _BF16}, 2e-2)),
     rtol=2e-5, steps=16, impls=('generic', 'xla'))
 
+ROWWISE_RMSPROP_AR = Case(
+    'rowwise_rmsprop_ar', lazy_optax.rowwise_rmsprop_ar, 0.05,
+    dict(ar_alpha=2.0, ema_beta=0.9),
+    lambda t, lr: reference.RowwiseRmspropAr(t, lr=lr, ar_alpha=2.0,
+                                             ema_beta=0.9),
+    (Slot('nu', 'v', 1e-5, 1e-7), Slot('prev_iter', 'prev_iter', 0, 0)),
+    ('prev_iter', 'v'),
+    chained=lambda: lazy_optax.lazy(optax.chain(
+        optax.clip_by_global_norm(1e6),
+        lazy_optax.rowwise_rmsprop_ar(0.05, ar_alpha=2.0, ema_beta=0.9))),
+    dtypes=(Dtypes(_BF16, {}, {'nu': jnp.float32, 'prev_iter': jnp.int32},
+                   3e-2),
+            Dtypes(jnp.float32, dict(accumulator_dtype=_BF16),
+                   {'nu': _BF16, 'prev_iter': jnp.int32}, 2e-2)),
+    rtol=1e-5, steps=14, impls=_ALL_IMPLS)
+
 OPTAX_ADAM = Case(
     'lazy(optax.adam)',
     lambda learning_rate: lazy_optax.lazy(optax.adam(learning_rate)), 0.01, {},
@@ -193,7 +209,8 @@ OPTAX_ADAM = Case(
 
 # Every property is checked on each of these.
 CASES = (LAZY_ADAM, ROWWISE_ADAGRAD, PARTIAL_ROWWISE_ADAM, FTRL,
-         ADAM_WITH_COUNTER, ROWWISE_ADAGRAD_WITH_COUNTER, OPTAX_ADAM)
+         ADAM_WITH_COUNTER, ROWWISE_ADAGRAD_WITH_COUNTER, ROWWISE_RMSPROP_AR,
+         OPTAX_ADAM)
 
 
 def _variant(case: Case, name: str, model: Callable[..., Any],
@@ -290,6 +307,13 @@ RULE_CASES = CASES + (
                  t, lr=lr, weight_decay=0.1),
              weight_decay=0.1),
     *(_ftrl_variant(name, kw) for name, kw in _FTRL_CONFIGS.items()),
+    _variant(ROWWISE_RMSPROP_AR, 'plain_rmsprop',
+             lambda t, lr: reference.RowwiseRmspropAr(t, lr=lr)),
+    _variant(ROWWISE_RMSPROP_AR, 'min_shrinkage=0.5,eps=0.1',
+             lambda t, lr: reference.RowwiseRmspropAr(
+                 t, lr=lr, ar_alpha=0.3, ema_beta=0.5, min_shrinkage=0.5,
+                 eps=0.1),
+             ar_alpha=0.3, ema_beta=0.5, min_shrinkage=0.5, eps=0.1),
     *(_counter_variant(*config) for config in (
         ('per_row', False, None),
         ('per_row', False, 'skipped'),

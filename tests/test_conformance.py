@@ -537,7 +537,8 @@ def test_sharded_on_8_devices(case, axis_type, eight_devices):
 def test_every_optimizer_of_the_top_level_is_a_case():
   names = {case.fn.__name__ for case in CASES}
   optimizers = {'lazy_adam', 'rowwise_adagrad', 'partial_rowwise_adam',
-                'ftrl', 'adam_with_counter', 'rowwise_adagrad_with_counter'}
+                'ftrl', 'adam_with_counter', 'rowwise_adagrad_with_counter',
+                'rowwise_rmsprop_ar'}
   assert optimizers <= names
   assert optimizers <= set(lazy_optax.__all__)
   assert 'lazy_adamw' in {case.name for case in RULE_CASES}

@@ -242,6 +242,7 @@ def _rules_with_kernels():
   from lazy_optax._src import ftrl  # pylint: disable=g-import-not-at-top
   from lazy_optax._src import partial_rowwise_adam  # pylint: disable=g-import-not-at-top
   from lazy_optax._src import rowwise_adagrad  # pylint: disable=g-import-not-at-top
+  from lazy_optax._src import rowwise_rmsprop_ar  # pylint: disable=g-import-not-at-top
   moments = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, count=3)
   return [
       (adam._adam_rule(False), moments),  # pylint: disable=protected-access
@@ -250,6 +251,9 @@ def _rules_with_kernels():
       (partial_rowwise_adam._rule(), moments),  # pylint: disable=protected-access
       (ftrl._rule(), dict(lr=0.1, power=0.5, l1=0.0, l2=0.0,  # pylint: disable=protected-access
                           l2_shrinkage=0.0, beta=0.0)),
+      (rowwise_rmsprop_ar._rule(), dict(  # pylint: disable=protected-access
+          lr=0.1, ar_alpha=0.5, ema_beta=0.9, one_minus_beta=0.1,
+          min_shrinkage=0.1, eps=1e-8, step=jnp.int32(3))),
   ]
 
 
@@ -292,3 +296,81 @@ def test_a_rule_kernel_given_the_wrong_operands_says_which():
                             jnp.array([1.0, 0.0]), g, (jnp.zeros(5),))
   np.testing.assert_allclose(np.asarray(new[0]), [1, 0, 1, 0, 0])
   np.testing.assert_allclose(np.asarray(u), np.full((2, 4), 0.5))
+
+
+def _ar_model(w, g, v, prev, step, lr, alpha, beta, min_shrink, eps):
+  """FBGEMM's ROWWISE_RMSPROP_AR on distinct rows, in float64 NumPy."""
+  w, g, v = (np.asarray(x, np.float64) for x in (w, g, v))
+  v = beta * v + (1 - beta) * np.mean(g * g, axis=1)
+  gap = np.where(np.asarray(prev) == 0, 1, step - np.asarray(prev, np.int64))
+  lam = np.clip(lr * alpha * gap, 0, 1)
+  new_w = (np.maximum(min_shrink, 1 - lam)[:, None] * w
+           - lr * g / (np.sqrt(v) + eps)[:, None])
+  return new_w - w, v
+
+
+@pytest.mark.parametrize('v_dtype', [jnp.float32, jnp.bfloat16])
+def test_int32_counter_tables_are_read_and_written_exactly(v_dtype):
+  # A rule's per-row counters are int32 tables next to float32 or bfloat16
+  # ones, and its int32 hyperparameter (the global step) reaches the kernel
+  # bit for bit: past 2**24, where float32 cannot tell step from step + 1
+  # (the rows' gaps 1, 2, 5, 6 and 2**24 + 4 each shrink by their own
+  # amount, and every touched row's counter becomes the step exactly).
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  from lazy_optax._src import rowwise_rmsprop_ar  # pylint: disable=g-import-not-at-top
+  target = 'LazyOptaxRowwiseRmspropAr'
+  assert cpu_kernels.int_fields(target) == {'step'}
+  step = 2**24 + 7
+  rng = np.random.default_rng(3)
+  rows, w = 9, 4
+  prev = np.array([0, step - 1, step - 2, step - 5, 2**24 + 1, 3, 0, 1, 2],
+                  np.int32)
+  v0 = rng.uniform(0.1, 1.0, rows).astype(np.float32)
+  ids = jnp.array([1, 2, 3, 4, 5, 6, 9, 0], jnp.int32)  # 9 names no row
+  g = rng.normal(size=(8, w)).astype(np.float32)
+  p = rng.normal(size=(8, w)).astype(np.float32)
+  hyper = dict(lr=1e-7, ar_alpha=2.0, ema_beta=0.9, one_minus_beta=0.1,
+               min_shrinkage=0.1, eps=1e-8, step=jnp.int32(step))
+  record = rowwise_rmsprop_ar._rule().kernel_hyper(hyper)  # pylint: disable=protected-access
+  h = cpu_kernels.pack(target, record)
+  assert h.dtype == jnp.uint32
+  (v, prev_out), u = jax.jit(
+      lambda *a: cpu_kernels.rule(target, *a[:4], a[4:]))(
+          ids, jnp.asarray(g), h, jnp.asarray(p),
+          jnp.asarray(v0).astype(v_dtype), jnp.asarray(prev))
+  assert prev_out.dtype == jnp.int32
+  touched = [1, 2, 3, 4, 5, 6, 0]
+  want_prev = prev.copy()
+  want_prev[touched] = step
+  np.testing.assert_array_equal(np.asarray(prev_out), want_prev)
+  named = np.array([True] * 6 + [False, True])
+  v_in = np.asarray(jnp.asarray(v0).astype(v_dtype), np.float64)
+  want_u, want_v = _ar_model(p[named], g[named], v_in[touched], prev[touched],
+                             step, 1e-7, 2.0, 0.9, 0.1, 1e-8)
+  tol = 1e-6 if v_dtype == jnp.float32 else 1e-2
+  np.testing.assert_allclose(np.asarray(v, np.float64)[touched], want_v,
+                             rtol=tol)
+  np.testing.assert_allclose(np.asarray(u)[named], want_u, rtol=tol,
+                             atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(u)[~named], 0)
+
+
+def test_int32_counter_tables_refuse_other_dtypes_by_position():
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  target = 'LazyOptaxRowwiseRmspropAr'
+  ids = jnp.array([0, 2], jnp.int32)
+  g = jnp.ones((2, 4), jnp.float32)
+  h = jnp.zeros((7,), jnp.uint32)
+  with pytest.raises(Exception, match=f'{target}: state table 1 must be '
+                     'int32'):
+    jax.block_until_ready(cpu_kernels.rule(
+        target, ids, g, h, g, (jnp.zeros(5), jnp.zeros(5))))
+  with pytest.raises(Exception, match='float32 or bfloat16'):
+    jax.block_until_ready(cpu_kernels.rule(
+        target, ids, g, h, g, (jnp.zeros(5, jnp.int32),
+                               jnp.zeros(5, jnp.int32))))
+  from lazy_optax._src import rowwise_rmsprop_ar  # pylint: disable=g-import-not-at-top
+  record = rowwise_rmsprop_ar.RowwiseRmspropArKernelHyper(
+      0.1, 0.0, 0.9, 0.1, 0.1, 1e-8, 3.0)
+  with pytest.raises(TypeError, match='int32 kernel field'):
+    cpu_kernels.pack(target, record)

@@ -157,3 +157,153 @@ def test_rowwise_adagrad_matches_live_fbgemm(tmp_path):
   errors = _compare(np.load(out), jit=True)
   print(errors)
   assert errors['table_rel_to_row'] < 1e-6 and errors['acc_rel'] < 1e-6, errors
+
+
+# -- ROWWISE_RMSPROP_AR --------------------------------------------------------
+#
+# `tests/data/fbgemm_rowwise_rmsprop_ar.npz` (`make_fbgemm_fixture.py
+# --rowwise-rmsprop-ar`): 40 steps of 32 ids into 48 x 8, ar_alpha 1, ema_beta
+# 0.9, lr 0.05, with rows seen every step, every few steps, after gaps of 20
+# steps and more (the shrink reaches min_shrinkage), first seen late, never.
+# FBGEMM keeps `prev_iter` as float32; lazy_optax as int32 (equal here).
+
+AR_FIXTURE = DATA / 'fbgemm_rowwise_rmsprop_ar.npz'
+
+
+def _ar_replay(data, jit, impl='auto'):
+  """rowwise_rmsprop_ar on the inputs: its tables, v and prev_iter."""
+  table0 = data['table0']
+  num_rows = table0.shape[0]
+  tx = lazy_optax.rowwise_rmsprop_ar(
+      float(data['learning_rate']), ar_alpha=float(data['ar_alpha']),
+      ema_beta=float(data['ema_beta']),
+      min_shrinkage=float(data['min_shrinkage']), eps=float(data['eps']),
+      impl=impl)
+
+  def step(params, state, ids, grads):
+    g = {'table': lazy_optax.SparseRows(ids, grads, num_rows=num_rows)}
+    updates, state = tx.update(g, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  if jit:
+    step = jax.jit(step, donate_argnums=(0, 1))
+  params = {'table': jnp.asarray(table0)}
+  state = tx.init(params)
+  out = {'tables': [], 'momentum': [], 'prev_iter': []}
+  for ids, grads in zip(data['ids'], data['grads']):
+    params, state = step(params, state, jnp.asarray(ids), jnp.asarray(grads))
+    out['tables'].append(np.asarray(params['table']))
+    out['momentum'].append(np.asarray(state.nu['table']))
+    out['prev_iter'].append(np.asarray(state.prev_iter['table']))
+  return {k: np.stack(v) for k, v in out.items()}
+
+
+def _ar_compare(data, jit, impl='auto'):
+  """Asserts lazy_optax equals FBGEMM's AR outputs; returns the max errors."""
+  got = _ar_replay(data, jit, impl)
+  assert got['prev_iter'].dtype == np.int32
+  np.testing.assert_array_equal(got['prev_iter'], data['prev_iter'])
+  np.testing.assert_allclose(got['tables'], data['tables'], rtol=RTOL,
+                             atol=ATOL)
+  np.testing.assert_allclose(got['momentum'], data['momentum'], rtol=RTOL,
+                             atol=ATOL)
+  never = np.setdiff1d(np.arange(data['table0'].shape[0]), data['ids'])
+  assert never.size
+  np.testing.assert_array_equal(
+      got['tables'][:, never],
+      np.broadcast_to(data['table0'][never], got['tables'][:, never].shape))
+  want_t, want_v = data['tables'], data['momentum']
+  row_scale = np.abs(want_t).max(axis=-1, keepdims=True)
+  return {
+      'table_abs': float(np.abs(got['tables'] - want_t).max()),
+      'table_rel_to_row': float((np.abs(got['tables'] - want_t)
+                                 / row_scale).max()),
+      'v_rel': float((np.abs(got['momentum'] - want_v)
+                      / np.maximum(np.abs(want_v), 1e-30)).max()),
+  }
+
+
+def _ar_float64(data):
+  """The documented AR rule in float64 numpy: tables, v, prev_iter."""
+  w = data['table0'].astype(np.float64)
+  v = np.zeros(w.shape[0])
+  prev = np.zeros(w.shape[0], np.int64)
+  lr, eps = float(data['learning_rate']), float(data['eps'])
+  alpha, beta = float(data['ar_alpha']), float(data['ema_beta'])
+  floor = float(data['min_shrinkage'])
+  tables, vs, prevs = [], [], []
+  for t, (ids, grads) in enumerate(zip(data['ids'], data['grads']), start=1):
+    g = np.zeros_like(w)
+    np.add.at(g, ids, grads.astype(np.float64))
+    rows = np.unique(ids)
+    v[rows] = beta * v[rows] + (1 - beta) * np.mean(g[rows] ** 2, axis=1)
+    gap = np.where(prev[rows] == 0, 1, t - prev[rows])
+    keep = np.maximum(floor, 1 - np.clip(lr * alpha * gap, 0, 1))
+    w[rows] = (keep[:, None] * w[rows]
+               - lr * g[rows] / (np.sqrt(v[rows])[:, None] + eps))
+    prev[rows] = t
+    tables.append(w.copy())
+    vs.append(v.copy())
+    prevs.append(prev.copy())
+  return np.stack(tables), np.stack(vs), np.stack(prevs)
+
+
+def test_ar_fixture_is_a_hard_case():
+  """Many steps, duplicates, long gaps that reach min_shrinkage."""
+  data = np.load(AR_FIXTURE)
+  ids = data['ids']
+  steps, n = ids.shape
+  assert steps >= 30 and all(np.unique(s).size < n for s in ids)
+  assert float(data['ar_alpha']) > 0
+  never = np.setdiff1d(np.arange(data['table0'].shape[0]), ids)
+  assert never.size >= 4
+  # The longest gap between two visits of a row: past the clip at 1, so the
+  # shrink is min_shrinkage there.
+  last, longest = {}, 0
+  for t, s in enumerate(ids, start=1):
+    for r in np.unique(s):
+      longest = max(longest, t - last.get(int(r), t))
+      last[int(r)] = t
+  lr, alpha = float(data['learning_rate']), float(data['ar_alpha'])
+  assert lr * alpha * longest > 1 - float(data['min_shrinkage'])
+  assert np.setdiff1d(ids[-1], ids[: steps // 2]).size > 0  # first seen late
+  assert str(data['fbgemm_version']) == '1.9.0'
+
+
+def test_ar_fixture_follows_the_float64_rule():
+  """FBGEMM's outputs are the rule lazy_optax documents, exactly so: the
+  step counter from 1, I = 1 for a new row, eps outside the root."""
+  data = np.load(AR_FIXTURE)
+  tables, vs, prevs = _ar_float64(data)
+  np.testing.assert_allclose(data['tables'], tables, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(data['momentum'], vs, rtol=1e-5, atol=1e-9)
+  np.testing.assert_array_equal(data['prev_iter'], prevs)
+
+
+@pytest.mark.parametrize('jit, impl', [(False, 'auto'), (True, 'generic'),
+                                       (True, 'xla'), (True, 'cpu_kernel')])
+def test_rowwise_rmsprop_ar_matches_fbgemm_fixture(jit, impl):
+  if impl == 'cpu_kernel':
+    assert lazy_optax.kernel_status()['cpu_kernel'].available
+  errors = _ar_compare(np.load(AR_FIXTURE), jit, impl)
+  print(errors)
+  assert errors['table_rel_to_row'] < 2e-6 and errors['v_rel'] < 2e-6, errors
+
+
+@pytest.mark.skipif(not os.access(FBGEMM_PYTHON, os.X_OK),
+                    reason=f'no FBGEMM interpreter at {FBGEMM_PYTHON} (set '
+                    'LAZY_OPTAX_FBGEMM_PYTHON); the fixture test still runs')
+def test_rowwise_rmsprop_ar_matches_live_fbgemm(tmp_path):
+  out = tmp_path / 'live_ar.npz'
+  proc = subprocess.run(
+      [FBGEMM_PYTHON, str(DATA / 'make_fbgemm_fixture.py'),
+       '--rowwise-rmsprop-ar', '--out', str(out), '--seed', '7', '--rows',
+       '400', '--row', '16', '--ids', '256', '--steps', '60',
+       '--learning-rate', '0.02', '--ar-alpha', '1.5', '--ema-beta', '0.99',
+       '--min-shrinkage', '0.2'],
+      capture_output=True, text=True, timeout=600, check=False,
+      env=dict(os.environ, PYTHONPATH=''))
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  errors = _ar_compare(np.load(out), jit=True)
+  print(errors)
+  assert errors['table_rel_to_row'] < 2e-6 and errors['v_rel'] < 2e-6, errors

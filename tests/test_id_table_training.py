@@ -146,6 +146,7 @@ def _fresh(slots, ids, capacity):
 
 
 @pytest.mark.parametrize('name', ['ftrl', 'rowwise_adagrad', 'adam_with_counter',
+                                  'rowwise_rmsprop_ar',
                                   'chain_partition_inject', 'lazy_adamw'])
 def test_reset_rows_gives_what_init_gives_a_fresh_row(name):
   params = {'emb': jnp.arange(40.0).reshape(10, 4), 'w': jnp.ones(3)}
@@ -154,6 +155,8 @@ def test_reset_rows_gives_what_init_gives_a_fresh_row(name):
       'rowwise_adagrad': lambda: lazy_optax.rowwise_adagrad(
           0.1, initial_accumulator_value=0.3),
       'adam_with_counter': lambda: lazy_optax.adam_with_counter(0.1),
+      'rowwise_rmsprop_ar': lambda: lazy_optax.rowwise_rmsprop_ar(
+          0.1, ar_alpha=0.5),
       'chain_partition_inject': lambda: optax.partition(
           {'emb': lazy_optax.lazy(optax.chain(
               optax.clip_by_global_norm(1.0),
@@ -197,6 +200,44 @@ def test_reset_rows_gives_what_init_gives_a_fresh_row(name):
       assert (old[reset] != np.asarray(ref_new)).any() or name == 'ftrl'
     else:
       np.testing.assert_array_equal(new, old)      # count, w's state
+
+
+def test_reset_rows_makes_a_rowwise_rmsprop_ar_row_never_touched():
+  # A fresh slot's row must not inherit the old owner's last step: its
+  # prev_iter is "never updated" (0) and its v is 0, so its next update
+  # shrinks it by one step's worth (I = 1), not by the old owner's gap.
+  lr, alpha, beta = 0.1, 2.0, 0.9
+  tx = lazy_optax.rowwise_rmsprop_ar(lr, ar_alpha=alpha, ema_beta=beta)
+  params = {'emb': jnp.ones((10, 4), jnp.float32)}
+  state = tx.init(params)
+  step = jax.jit(lambda p, s, ids: _ar_step(tx, p, s, ids))
+  params, state = step(params, state, jnp.array([3, 7], jnp.int32))
+  for _ in range(3):  # rows 3 and 7 go unseen for three steps
+    params, state = step(params, state, jnp.array([1], jnp.int32))
+  fresh = _fresh([3, 10], np.array([2 ** 40, 9]), 10)
+  params, state = lazy_optax.reset_rows(tx, params, state, {'emb': fresh},
+                                        init=INIT, key=KEY)
+  np.testing.assert_array_equal(np.asarray(state.prev_iter['emb']),
+                                [0, 4, 0, 0, 0, 0, 0, 1, 0, 0])
+  assert float(state.nu['emb'][3]) == 0.0 and float(state.nu['emb'][7]) > 0
+  w3 = np.asarray(params['emb'][3], np.float64)
+  w7 = np.asarray(params['emb'][7], np.float64)
+  v7 = float(state.nu['emb'][7])
+  params, state = step(params, state, jnp.array([3, 7], jnp.int32))
+  g = np.ones(4)  # _ar_step's gradient rows
+  # Step 5: row 3 is new (I = 1), row 7 was last updated at step 1 (I = 4).
+  want3 = (1 - lr * alpha) * w3 - lr * g / np.sqrt((1 - beta) * 1.0)
+  v7 = beta * v7 + (1 - beta) * 1.0
+  want7 = max(0.1, 1 - lr * alpha * 4) * w7 - lr * g / np.sqrt(v7)
+  np.testing.assert_allclose(np.asarray(params['emb'][3]), want3, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(params['emb'][7]), want7, rtol=1e-5)
+  assert int(state.prev_iter['emb'][3]) == 5
+
+
+def _ar_step(tx, params, state, ids):
+  g = {'emb': lazy_optax.SparseRows(ids, jnp.ones((ids.shape[0], 4)), 10)}
+  updates, state = tx.update(g, state, params)
+  return lazy_optax.apply_updates(params, updates), state
 
 
 def test_reset_rows_keys_rows_by_raw_id_and_table():

@@ -30,9 +30,10 @@ row blocks do not arrive as `lazy` gathered them, the rule computes on
 whatever it is given and `lazy` writes the rows back: correct, generic.
 
 `impl='auto'` picks `'cpu_kernel'` when the kernels are loaded, the rule has
-one, the dtypes are ones it stores (float32, bfloat16), the ids are int32
-and the table lives on one device or on an Explicit mesh; otherwise `'xla'`
-for rows of at least `REGATHER_MIN_ROW_BYTES`, else `'generic'`.
+one, the dtypes are ones it stores (float32, bfloat16; int32 for counters),
+the ids are int32 and the table lives on one device or on an Explicit mesh;
+otherwise `'xla'` for rows of at least `REGATHER_MIN_ROW_BYTES`, else
+`'generic'`.
 `explain_update` tells which one each leaf gets, and why.
 """
 
@@ -84,6 +85,9 @@ class RowRule(NamedTuple):
     step_reads_old_rows: whether `step` also takes the old state rows, as
       `step(g, stored, params, hyper, rows)` (a rule whose step depends on
       more than the new state, such as the steps since a row's last update).
+    int_tables: the tables that are int32 counters (the kernel's `kInt32`):
+      int32 whatever the parameter's dtype, read and written exactly. The
+      others are float32 or bfloat16 for the kernel.
   """
   name: str
   new_rows: Callable[..., dict[str, jax.Array]]
@@ -93,6 +97,7 @@ class RowRule(NamedTuple):
   kernel_hyper: Optional[Callable[..., Any]] = None
   needs_params: bool = False
   step_reads_old_rows: bool = False
+  int_tables: tuple[str, ...] = ()
 
 
 class Block(NamedTuple):
@@ -214,7 +219,10 @@ def _kernel_refusal(rule: RowRule, g: Any, blocks: dict[str, Block],
       return f'{rows} rows do not split evenly over {shards} devices'
   for name, block in blocks.items():
     dtype = jnp.dtype(block.table.dtype)
-    if dtype not in cpu_kernels.STORAGE_DTYPES:
+    if name in rule.int_tables:
+      if dtype != cpu_kernels.COUNTER_DTYPE:
+        return f'its {name} is {dtype} (the kernel counts in int32)'
+    elif dtype not in cpu_kernels.STORAGE_DTYPES:
       return f'its {name} is {dtype} (the kernel stores float32, bfloat16)'
   if (not jnp.issubdtype(g.dtype, jnp.floating)
       or jnp.dtype(g.dtype).itemsize > 4):

@@ -19,6 +19,15 @@ FBGEMM's outputs after every step (`tables` `[steps, rows, row]`,
 `tests/test_fbgemm_parity.py` replays the inputs through
 `lazy_optax.rowwise_adagrad` and compares.
 
+With `--rowwise-rmsprop-ar` it makes `fbgemm_rowwise_rmsprop_ar.npz` instead:
+FBGEMM's `ROWWISE_RMSPROP_AR` (`ar_inputs`, `run_fbgemm_ar`) over many steps,
+with duplicates, rows seen every step, rows seen every few steps, rows left
+untouched for long stretches, rows first seen late and rows never seen, and
+`ar_alpha > 0` so that the shrink matters (it reaches `min_shrinkage` for the
+longest gaps). Besides the inputs it holds `ar_alpha`, `ema_beta`,
+`min_shrinkage` and FBGEMM's `tables`, `momentum` (its `v`) and `prev_iter`
+after every step.
+
 Only numpy is imported at module level: pytest imports this file for its
 doctests in the main environment, where torch is another version.
 """
@@ -32,6 +41,7 @@ import numpy as np
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(HERE, 'fbgemm_rowwise_adagrad.npz')
+DEFAULT_AR_OUT = os.path.join(HERE, 'fbgemm_rowwise_rmsprop_ar.npz')
 
 
 def inputs(seed: int, rows: int, row: int, ids: int, steps: int) -> dict:
@@ -88,6 +98,87 @@ def run_fbgemm(data: dict, learning_rate: float, eps: float) -> dict:
   return {'tables': np.stack(tables), 'accumulators': np.stack(accumulators),
           'fbgemm_version': np.array(getattr(fbgemm_gpu, '__version__', '?')),
           'torch_version': np.array(torch.__version__)}
+
+
+def ar_inputs(seed: int, rows: int, row: int, ids: int, steps: int) -> dict:
+  """Inputs for ROWWISE_RMSPROP_AR: rows seen at very different rates.
+
+  Rows [0, 4) are hot (every step, many duplicates); rows [4, q) are seen
+  with probability 1/2 a step; rows [q, 2q) only at steps that are multiples
+  of 7; rows [2q, 3q) at step 0 and again after `steps // 2` steps; rows
+  [3q, 3q + q // 2) first at step `steps // 2`; the rest never, with q =
+  rows // 4.
+  """
+  rng = np.random.default_rng(seed)
+  q = rows // 4
+  table0 = (rng.normal(size=(rows, row)) * 0.1).astype(np.float32)
+  id_steps, grad_steps = [], []
+  for s in range(steps):
+    pool = [np.arange(4, q)[rng.random(q - 4) < 0.5]]
+    if s % 7 == 0:
+      pool.append(np.arange(q, 2 * q))
+    if s in (0, steps // 2 + 1):
+      pool.append(np.arange(2 * q, 3 * q))
+    if s >= steps // 2:
+      pool.append(np.arange(3 * q, 3 * q + q // 2))
+    pool = np.concatenate(pool)
+    cold = rng.choice(pool, size=min(pool.size, ids // 2), replace=False)
+    hot = rng.integers(0, 4, ids - cold.size)
+    step_ids = rng.permutation(np.concatenate([hot, cold])).astype(np.int32)
+    id_steps.append(step_ids)
+    grad_steps.append(rng.normal(size=(ids, row)).astype(np.float32))
+  return {'table0': table0, 'ids': np.stack(id_steps),
+          'grads': np.stack(grad_steps)}
+
+
+def run_fbgemm_ar(data: dict, learning_rate: float, eps: float,
+                  ar_alpha: float, ema_beta: float,
+                  min_shrinkage: float) -> dict:
+  """FBGEMM's ROWWISE_RMSPROP_AR tables, `v` and `prev_iter` after each
+  step of `data`."""
+  # pylint: disable=g-import-not-at-top
+  import fbgemm_gpu
+  from fbgemm_gpu import split_embedding_configs as configs
+  from fbgemm_gpu import split_table_batched_embeddings_ops_common as ops
+  from fbgemm_gpu import split_table_batched_embeddings_ops_training as train
+  import torch
+
+  rows, row = data['table0'].shape
+  tbe = train.SplitTableBatchedEmbeddingBagsCodegen(
+      [(rows, row, ops.EmbeddingLocation.HOST, ops.ComputeDevice.CPU)],
+      optimizer=configs.EmbOptimType.ROWWISE_RMSPROP_AR,
+      learning_rate=learning_rate, eps=eps, ar_alpha=ar_alpha,
+      ema_beta=ema_beta, min_shrinkage=min_shrinkage,
+      pooling_mode=ops.PoolingMode.NONE, device='cpu')
+  with torch.no_grad():
+    tbe.split_embedding_weights()[0].copy_(torch.from_numpy(data['table0']))
+  tables, momentum, prev_iter = [], [], []
+  for step_ids, g in zip(data['ids'], data['grads']):
+    indices = torch.from_numpy(step_ids.astype(np.int64))
+    offsets = torch.arange(indices.numel() + 1, dtype=torch.int64)
+    tbe(indices, offsets).backward(torch.from_numpy(g))
+    states = tbe.split_optimizer_states()[0]
+    tables.append(tbe.split_embedding_weights()[0].detach().numpy().copy())
+    momentum.append(states[0].detach().numpy().reshape(rows).copy())
+    prev_iter.append(states[1].detach().numpy().reshape(rows).copy())
+  return {'tables': np.stack(tables), 'momentum': np.stack(momentum),
+          'prev_iter': np.stack(prev_iter),
+          'fbgemm_version': np.array(getattr(fbgemm_gpu, '__version__', '?')),
+          'torch_version': np.array(torch.__version__)}
+
+
+def main_ar(args: argparse.Namespace) -> None:
+  """Writes the ROWWISE_RMSPROP_AR fixture."""
+  data = ar_inputs(args.seed, args.rows, args.row, args.ids, args.steps)
+  data.update(run_fbgemm_ar(data, args.learning_rate, args.eps,
+                            args.ar_alpha, args.ema_beta, args.min_shrinkage))
+  for name in ('learning_rate', 'eps', 'ar_alpha', 'ema_beta',
+               'min_shrinkage'):
+    data[name] = np.float32(getattr(args, name))
+  out = args.out or DEFAULT_AR_OUT
+  np.savez_compressed(out, **data)
+  print(f'wrote {out}: ROWWISE_RMSPROP_AR, {args.steps} steps of {args.ids} '
+        f'ids into {args.rows} x {args.row}; FBGEMM {data["fbgemm_version"]}')
 
 
 # -- WeightDecayMode.COUNTER (rowwise_adagrad_with_counter) -----------------
@@ -223,7 +314,7 @@ def make_counter_fixture(out: str, seed: int, rows: int, row: int, ids: int,
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument('--out', default=DEFAULT_OUT)
+  parser.add_argument('--out', default=None)
   parser.add_argument('--seed', type=int, default=0)
   parser.add_argument('--rows', type=int, default=48)
   parser.add_argument('--row', type=int, default=8,
@@ -232,16 +323,24 @@ def main() -> None:
   parser.add_argument('--steps', type=int, default=6)
   parser.add_argument('--learning-rate', type=float, default=0.05)
   parser.add_argument('--eps', type=float, default=1e-8)
+  parser.add_argument('--rowwise-rmsprop-ar', action='store_true',
+                      help='make the ROWWISE_RMSPROP_AR fixture instead')
+  parser.add_argument('--ar-alpha', type=float, default=1.0)
+  parser.add_argument('--ema-beta', type=float, default=0.9)
+  parser.add_argument('--min-shrinkage', type=float, default=0.1)
   parser.add_argument('--counter', action='store_true',
                       help='WeightDecayMode.COUNTER configurations instead '
                       f'(default --out {os.path.basename(COUNTER_OUT)})')
   args = parser.parse_args()
+  if args.rowwise_rmsprop_ar:
+    main_ar(args)
+    return
   if args.counter:
     make_counter_fixture(
-        COUNTER_OUT if args.out == DEFAULT_OUT else args.out, args.seed,
-        args.rows, args.row, args.ids, args.steps, args.learning_rate,
-        args.eps)
+        args.out or COUNTER_OUT, args.seed, args.rows, args.row, args.ids,
+        args.steps, args.learning_rate, args.eps)
     return
+  args.out = args.out or DEFAULT_OUT
   data = inputs(args.seed, args.rows, args.row, args.ids, args.steps)
   data.update(run_fbgemm(data, args.learning_rate, args.eps))
   data['learning_rate'] = np.float32(args.learning_rate)

@@ -8,7 +8,12 @@ Every rule kernel is called the same way (`rule`): its hyperparameters are
 a record (a NamedTuple in the rule's module) whose fields are those of the
 rule's `Hyper` struct in `rows.cc`, in the same order; the library exports
 each struct's field names (`<target>Fields`), and `pack` refuses a record
-that does not list them.
+that does not list them. Fields are float32, but for the int32 ones the
+library marks `name:int32` (a global step, exact past 2**24); `pack` keeps
+the bits of each (uint32 words), so the kernel reads every field exactly.
+
+State tables are float32 or bfloat16 (`STORAGE_DTYPES`), and a rule's
+per-row counters int32 (`COUNTER_DTYPE`, whatever the table's dtype).
 
 The library is loaded eagerly, never inside a trace: by the first `init` of a
 lazy transformation on concrete parameters, by `lazy_optax.kernel_status()`,
@@ -33,12 +38,16 @@ from lazy_optax._src.cpu_kernels import build
 ENV_SWITCH = 'LAZY_OPTAX_CPU_KERNELS'
 # The rule kernels (rows.cc's LAZY_OPTAX_RULE), all called through `rule`.
 RULES = ('LazyOptaxAdam', 'LazyOptaxAmsgrad', 'LazyOptaxRowwiseAdagrad',
-         'LazyOptaxPartialRowwiseAdam', 'LazyOptaxFtrl')
+         'LazyOptaxPartialRowwiseAdam', 'LazyOptaxFtrl',
+         'LazyOptaxRowwiseRmspropAr')
 TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
            'LazyOptaxScatter', 'LazyOptaxScatterAdd',
            'LazyOptaxAddStochastic') + RULES
 # Storage dtypes the kernels read and write (tables, moments, accumulators).
 STORAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+# The dtype of a rule's counter tables (its C++ `kInt32`), read exactly.
+COUNTER_DTYPE = jnp.dtype(jnp.int32)
+_INT_MARK = ':int32'
 
 
 class Status(NamedTuple):
@@ -49,7 +58,8 @@ class Status(NamedTuple):
 
 _lock = threading.Lock()
 _status: Optional[Status] = None
-# Each rule kernel's hyperparameter fields, as the loaded library declares.
+# Each rule kernel's hyperparameter fields, as the loaded library declares
+# (int32 fields marked `name:int32`).
 _fields: dict[str, tuple[str, ...]] = {}
 
 
@@ -57,6 +67,18 @@ def _field_names(lib: Any, target: str) -> tuple[str, ...]:
   fn = getattr(lib, f'{target}Fields')
   fn.restype = ctypes.c_char_p
   return tuple(fn().decode('ascii').rstrip(',').split(','))
+
+
+def _words(value: Any, is_int: bool) -> jax.Array:
+  """One hyperparameter as the uint32 word the kernel reads: the bits of
+  its float32 value, or of its int32 value for an int32 field."""
+  if is_int:
+    x = jnp.asarray(value)
+    if not jnp.issubdtype(x.dtype, jnp.integer):
+      raise TypeError(f'an int32 kernel field was given a {x.dtype} value')
+    return jax.lax.bitcast_convert_type(x.astype(jnp.int32), jnp.uint32)
+  return jax.lax.bitcast_convert_type(jnp.asarray(value, jnp.float32),
+                                      jnp.uint32)
 
 
 def _load() -> Status:
@@ -231,18 +253,27 @@ def fields(target: str) -> tuple[str, ...]:
   """
   if target not in RULES:
     raise ValueError(f'fields: target must be one of {RULES}, got {target!r}.')
-  return _fields.get(target, ())
+  return tuple(f.removesuffix(_INT_MARK) for f in _fields.get(target, ()))
+
+
+def int_fields(target: str) -> frozenset[str]:
+  """The int32 fields of rule kernel `target`'s record (`()` while the
+  kernels are not loaded)."""
+  return frozenset(f.removesuffix(_INT_MARK) for f in _fields.get(target, ())
+                   if f.endswith(_INT_MARK))
 
 
 def pack(target: str, hyper: Any) -> jax.Array:
-  """A rule's hyperparameter record as the kernel's float32 vector.
+  """A rule's hyperparameter record as the kernel's vector of words.
 
   Args:
     target: one of `RULES`.
-    hyper: a NamedTuple whose fields are `fields(target)`, in order.
+    hyper: a NamedTuple whose fields are `fields(target)`, in order (the
+      `int_fields(target)` given integer values).
 
   Returns:
-    The float32 vector of its values.
+    The uint32 vector of its values' bits: float32 values, and int32 ones
+    for the int32 fields.
 
   Raises:
     TypeError: where the record's fields are not the kernel's (a rule whose
@@ -256,7 +287,9 @@ def pack(target: str, hyper: Any) -> jax.Array:
         f'{target}: the hyperparameter record {type(hyper).__name__}{got} '
         f'does not list the kernel\'s fields {expected} in the same order '
         '(rows.cc and the rule\'s module must agree).')
-  return jnp.stack([jnp.asarray(x, jnp.float32) for x in hyper])
+  ints = int_fields(target)
+  names = getattr(type(hyper), '_fields', ()) or ('',) * len(hyper)
+  return jnp.stack([_words(x, name in ints) for name, x in zip(names, hyper)])
 
 
 def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
@@ -268,10 +301,12 @@ def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
     target: one of `RULES`.
     ids: the distinct int ids `[N]` (ids outside the tables name no row).
     grads: the gradient rows `[N, ...]`.
-    hyper: `pack(target, record)`.
+    hyper: `pack(target, record)` (a float32 vector is taken as its bits,
+      for records of float32 fields only).
     params: the parameter rows, shaped as `grads` (rules that read none get
       `grads`).
-    tables: the rule's state tables, in the order of its C++ `kPerRow`.
+    tables: the rule's state tables, in the order of its C++ `kPerRow`
+      (float32 or bfloat16; int32 for the tables its `kInt32` marks).
 
   Returns:
     `(new tables, updates)`: the tables (aliased to the inputs) and the
@@ -281,6 +316,9 @@ def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
       target, (jax.ShapeDtypeStruct(grads.shape, jnp.float32),)
       + tuple(_like(t) for t in tables),
       {4 + k: 1 + k for k in range(len(tables))})
-  out = call(ids.astype(jnp.int32), grads.astype(jnp.float32),
-             hyper.astype(jnp.float32), params.astype(jnp.float32), *tables)
+  if jnp.dtype(hyper.dtype) != jnp.dtype(jnp.uint32):
+    hyper = jax.lax.bitcast_convert_type(hyper.astype(jnp.float32),
+                                         jnp.uint32)
+  out = call(ids.astype(jnp.int32), grads.astype(jnp.float32), hyper,
+             params.astype(jnp.float32), *tables)
   return tuple(out[1:]), out[0]

@@ -12,7 +12,8 @@
 // nothing. Rows given to the rule kernels are distinct (lazy(...) has summed
 // duplicates), so the threads of one call write disjoint rows.
 //
-// Storage dtypes: float32 and bfloat16 for tables and moments; gradients and
+// Storage dtypes: float32 and bfloat16 for tables and moments, int32 for a
+// rule's per-row counters (exact at any dtype of the table); gradients and
 // updates are float32 (the caller casts). Arithmetic is float32, rounded to
 // the storage dtype to nearest even, as XLA's convert does.
 //
@@ -27,6 +28,8 @@
 //   LazyOptaxRowwiseAdagrad one accumulator per row (FBGEMM's rule)
 //   LazyOptaxPartialRowwiseAdam  mu per entry, nu per row (FBGEMM's rule)
 //   LazyOptaxFtrl           FTRL-Proximal (TensorFlow's ApplyFtrlV2)
+//   LazyOptaxRowwiseRmspropAr  row-wise RMSprop with adaptive regularization
+//                           (FBGEMM's ROWWISE_RMSPROP_AR)
 
 #include <algorithm>
 #include <atomic>
@@ -88,6 +91,12 @@ struct BF16 {
   static float Load(const uint16_t* p) { return Bf16ToF32(*p); }
   static void Store(uint16_t* p, float x) { *p = F32ToBf16(x); }
   static float Rounded(float x) { return Bf16ToF32(F32ToBf16(x)); }
+};
+
+// int32 storage, for per-row counters: read and written as integers (see
+// Row<I32>), never through float32.
+struct I32 {
+  using T = int32_t;
 };
 
 // Calls fn.template operator()<S>() with S = F32 or BF16 for `type`.
@@ -527,6 +536,9 @@ ffi::Error AddStochastic(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
 //                list the same ones in the same order);
 //   kPerRow      one bool per state table: one value per row (else per
 //                entry), in the order Python passes the tables;
+//   kInt32       (optional) one bool per state table: an int32 table (a
+//                counter, `Row<I32>`: exact integers), else float32 or
+//                bfloat16;
 //   Row(h, io, tables...)  the arithmetic of one row: `io` holds the row's
 //                gradient, parameters and update; each table is a `Row<S>`
 //                whose `t[k]` reads entry k in float32 and `t.Put(k, x)`
@@ -538,9 +550,14 @@ ffi::Error AddStochastic(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
 // A hyperparameter record: `LAZY_OPTAX_HYPER(FIELDS)` inside a rule, with
 // FIELDS an X-macro `#define FIELDS(F) F(b1) F(b2) ...`, declares
 // `struct Hyper { float b1; float b2; ... }` and `kFields`, its field names
-// separated by commas (exported for the Python side's check).
+// separated by commas (exported for the Python side's check). An int32 field
+// (the global step, exact past 2^24) is `LAZY_OPTAX_INT(F, step)` in FIELDS;
+// its exported name is `step:int32`, and Python packs its bits unchanged.
 #define LAZY_OPTAX_HYPER_FIELD(name) float name;
 #define LAZY_OPTAX_HYPER_NAME(name) #name ","
+#define LAZY_OPTAX_HYPER_FIELD_INT(name) int32_t name;
+#define LAZY_OPTAX_HYPER_NAME_INT(name) #name ":int32,"
+#define LAZY_OPTAX_INT(F, name) F##_INT(name)
 #define LAZY_OPTAX_HYPER(FIELDS)                        \
   struct Hyper {                                        \
     FIELDS(LAZY_OPTAX_HYPER_FIELD)                      \
@@ -557,6 +574,30 @@ struct Row {
     S::Store(p + k, stored);
     return stored;
   }
+};
+
+// A row of an int32 table (a counter): integers in, integers out.
+template <>
+struct Row<I32> {
+  int32_t* __restrict__ p;
+  int32_t operator[](int64_t k) const { return p[k]; }
+  int32_t Put(int64_t k, int32_t x) const {
+    p[k] = x;
+    return x;
+  }
+};
+
+// Whether a rule's table i is int32: `kInt32[i]` where the rule declares
+// `kInt32` (one bool per table, as kPerRow), else false.
+template <typename Rule, typename = void>
+struct Int32Tables {
+  static constexpr bool At(size_t) { return false; }
+};
+template <typename Rule>
+struct Int32Tables<Rule, std::void_t<decltype(Rule::kInt32)>> {
+  static_assert(sizeof(Rule::kInt32) == sizeof(Rule::kPerRow),
+                "kInt32 and kPerRow list the same tables");
+  static constexpr bool At(size_t i) { return Rule::kInt32[i]; }
 };
 
 // The slot's own rows: gradient, parameters (or the gradient) and update,
@@ -609,14 +650,24 @@ void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
   }
 }
 
-// Calls fn(S...) with the storage of each of the N `types`.
-template <size_t N, typename Fn, typename... S>
-ffi::Error WithStorages(const ffi::DataType* types, Fn& fn, S... s) {
-  if constexpr (sizeof...(S) == N) {
+// Calls fn(S...) with the storage of each of the N `types`: I32 for the
+// rule's int32 tables, F32 or BF16 for the others.
+template <typename Rule, size_t N, typename Fn, typename... S>
+ffi::Error WithStorages(const char* name, const ffi::DataType* types, Fn& fn,
+                        S... s) {
+  constexpr size_t i = sizeof...(S);
+  if constexpr (i == N) {
     return fn(s...);
+  } else if constexpr (Int32Tables<Rule>::At(i)) {
+    if (types[i] != ffi::DataType::S32) {
+      return ffi::Error::InvalidArgument(
+          std::string(name) + ": state table " + std::to_string(i) +
+          " must be int32 (a per-row counter)");
+    }
+    return WithStorages<Rule, N>(name, types, fn, s..., I32{});
   } else {
-    return WithStorage(types[sizeof...(S)], [&](auto t) {
-      return WithStorages<N>(types, fn, s..., t);
+    return WithStorage(types[i], [&](auto t) {
+      return WithStorages<Rule, N>(name, types, fn, s..., t);
     });
   }
 }
@@ -624,7 +675,7 @@ ffi::Error WithStorages(const ffi::DataType* types, Fn& fn, S... s) {
 template <typename Rule, size_t... I>
 ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
                    ffi::Buffer<ffi::S32>& ids, ffi::Buffer<ffi::F32>& g,
-                   ffi::Buffer<ffi::F32>& hyper, ffi::Buffer<ffi::F32>& params,
+                   ffi::Buffer<ffi::U32>& hyper, ffi::Buffer<ffi::F32>& params,
                    ffi::RemainingArgs& ins,
                    ffi::Result<ffi::Buffer<ffi::F32>>& updates,
                    ffi::RemainingRets& outs, std::index_sequence<I...> seq) {
@@ -638,7 +689,8 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
       params.element_count() != g.element_count()) {
     return fail("gradient, parameter and update shapes");
   }
-  if (hyper.element_count() * sizeof(float) != sizeof(typename Rule::Hyper)) {
+  if (hyper.element_count() * sizeof(uint32_t) !=
+      sizeof(typename Rule::Hyper)) {
     return fail("hyperparameters (not the fields of its record)");
   }
   typename Rule::Hyper h;
@@ -670,7 +722,7 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
         static_cast<typename decltype(s)::T*>(data[I])...);
     return ffi::Error::Success();
   };
-  return WithStorages<kTables>(types, run);
+  return WithStorages<Rule, kTables>(name, types, run);
 }
 
 // The FFI handler of `Rule` (see LAZY_OPTAX_RULE).
@@ -678,7 +730,7 @@ template <typename Rule>
 struct RuleKernel {
   static ffi::Error Call(const char* name, ffi::ThreadPool pool,
                          ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> g,
-                         ffi::Buffer<ffi::F32> hyper,
+                         ffi::Buffer<ffi::U32> hyper,
                          ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,
                          ffi::Result<ffi::Buffer<ffi::F32>> updates,
                          ffi::RemainingRets outs) {
@@ -813,6 +865,41 @@ struct FtrlRule {
   }
 };
 
+// Row-wise RMSprop with adaptive regularization (FBGEMM's
+// ROWWISE_RMSPROP_AR), per row, with `step` the global step (from 1) and
+// `prev` the step of the row's last update (0: never updated):
+//   v = beta v + (1 - beta) mean(g^2)
+//   I = step - prev (1 if prev is 0);  lambda = clip(lr ar_alpha I, 0, 1)
+//   update = (max(min_shrinkage, 1 - lambda) - 1) w - lr g / (sqrt(v) + eps)
+//   prev = step
+#define ROWWISE_RMSPROP_AR_FIELDS(F)                                       \
+  F(lr) F(ar_alpha) F(ema_beta) F(one_minus_beta) F(min_shrinkage) F(eps)  \
+  LAZY_OPTAX_INT(F, step)
+
+struct RowwiseRmspropArRule {
+  LAZY_OPTAX_HYPER(ROWWISE_RMSPROP_AR_FIELDS)
+  static constexpr bool kPerRow[] = {true, true};   // v, prev_iter
+  static constexpr bool kInt32[] = {false, true};
+  template <typename V, typename P>
+  __attribute__((always_inline)) static void Row(const Hyper& h,
+                                                 const RowIo& io, V v,
+                                                 P prev_iter) {
+    const int64_t w = io.w;
+    const float vr = v.Put(
+        0, h.ema_beta * v[0] + h.one_minus_beta * (SumOfSquares(io.g, w) *
+                                                   io.inv_w));
+    const int32_t prev = prev_iter[0];
+    const int32_t gap = prev == 0 ? 1 : h.step - prev;
+    const float lambda =
+        std::min(std::max(h.lr * h.ar_alpha * static_cast<float>(gap), 0.0f),
+                 1.0f);
+    const float keep = std::max(h.min_shrinkage, 1.0f - lambda) - 1.0f;
+    const float scale = h.lr / (std::sqrt(vr) + h.eps);
+    for (int64_t k = 0; k < w; ++k) io.u[k] = keep * io.p[k] - scale * io.g[k];
+    prev_iter.Put(0, h.step);
+  }
+};
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxDedup, Dedup,
@@ -865,7 +952,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddStochastic, AddStochastic,
 #define LAZY_OPTAX_RULE(Symbol, Rule)                                       \
   static ffi::Error Symbol##Impl(                                           \
       ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,                      \
-      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> hyper,                 \
+      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::U32> hyper,                 \
       ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,                 \
       ffi::Result<ffi::Buffer<ffi::F32>> updates, ffi::RemainingRets outs) { \
     return RuleKernel<Rule>::Call(#Symbol, pool, ids, g, hyper, params, ins, \
@@ -876,7 +963,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddStochastic, AddStochastic,
                                     .Ctx<ffi::ThreadPool>()                 \
                                     .Arg<ffi::Buffer<ffi::S32>>()           \
                                     .Arg<ffi::Buffer<ffi::F32>>()           \
-                                    .Arg<ffi::Buffer<ffi::F32>>()           \
+                                    .Arg<ffi::Buffer<ffi::U32>>()           \
                                     .Arg<ffi::Buffer<ffi::F32>>()           \
                                     .RemainingArgs()                        \
                                     .Ret<ffi::Buffer<ffi::F32>>()           \
@@ -888,3 +975,4 @@ LAZY_OPTAX_RULE(LazyOptaxAmsgrad, AmsgradRule)
 LAZY_OPTAX_RULE(LazyOptaxRowwiseAdagrad, RowwiseAdagradRule)
 LAZY_OPTAX_RULE(LazyOptaxPartialRowwiseAdam, PartialRowwiseAdamRule)
 LAZY_OPTAX_RULE(LazyOptaxFtrl, FtrlRule)
+LAZY_OPTAX_RULE(LazyOptaxRowwiseRmspropAr, RowwiseRmspropArRule)
