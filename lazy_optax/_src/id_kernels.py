@@ -20,7 +20,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from lazy_optax._src import cpu_kernels
 from lazy_optax._src import id_assign
 from lazy_optax._src import row_ops
 

@@ -52,8 +52,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazy_optax._src import checks
-from lazy_optax._src import id_assign
 from lazy_optax._src import cpu_kernels
+from lazy_optax._src import id_assign
 from lazy_optax._src import id_export
 from lazy_optax._src import id_kernels
 from lazy_optax._src import id_words

@@ -1,6 +1,7 @@
 """Finding, building and verifying the compiled CPU row kernels.
 
-The kernels (`rows.cc` and `id_kernels.cc`, one library) come from one of two places, tried in order:
+The kernels (`rows.cc` and `id_kernels.cc`, one library) come from one of
+two places, tried in order:
 
 1. **cache**: where a C++ compiler is found (`$CXX`, else `c++`, `g++`,
    `clang++`), the source is compiled once per machine for this CPU
