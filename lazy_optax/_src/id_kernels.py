@@ -10,7 +10,8 @@ exported for GPU or TPU holds no call to them).
 A call of `LazyOptaxIdAssign` updates the state's arrays in place (its
 outputs alias its inputs, so a donated state is never copied) and returns
 the slots, the fresh slots and ten int32 event counts (`EVENTS`); the
-counters, the live count and the step are then updated here.
+counters, the live count and the step are then updated here. The claim
+scratch is not used (it stays all zero).
 """
 
 from __future__ import annotations
@@ -80,7 +81,7 @@ def assign(table: Any, state: Any, words: jax.Array, now: jax.Array
   """
   n = words.shape[0]
   parts = (state.ids, state.last_seen,
-           _or_stand_in(state.counts, _NO_INT), state.claims,
+           _or_stand_in(state.counts, _NO_INT),
            _or_stand_in(state.sketch, _NO_INT),
            _or_stand_in(state.log_ids, _NO_WORDS),
            _or_stand_in(state.log_steps, _NO_INT))
@@ -95,7 +96,7 @@ def assign(table: Any, state: Any, words: jax.Array, now: jax.Array
       vmap_method='sequential')
   out = call(words.astype(jnp.uint32), scalars, *parts, **_attributes(table))
   slots, fresh, events = out[:3]
-  ids, last_seen, counts, claims, sketch, log_ids, log_steps = out[3:]
+  ids, last_seen, counts, sketch, log_ids, log_steps = out[3:]
   e = dict(zip(EVENTS, events))
   zero = jnp.zeros((), jnp.int32)
   counters = id_assign.add_events(state.counters, {
@@ -105,7 +106,7 @@ def assign(table: Any, state: Any, words: jax.Array, now: jax.Array
       'declined': e['declined']})
   new_state = state._replace(
       ids=ids, last_seen=last_seen,
-      counts=None if state.counts is None else counts, claims=claims,
+      counts=None if state.counts is None else counts,
       sketch=None if state.sketch is None else sketch,
       log_ids=None if state.log_ids is None else log_ids,
       log_steps=None if state.log_steps is None else log_steps,

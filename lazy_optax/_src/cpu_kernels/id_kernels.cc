@@ -29,6 +29,7 @@ constexpr uint32_t kSaltSketch = 0x85A308D3u;
 constexpr uint32_t kGolden = 0x9E3779B9u;
 constexpr int32_t kCountLimit = 1 << 30;
 constexpr int32_t kBigStep = 0x7FFFFFFF;
+constexpr int64_t kAhead = 8;  // ids prefetched ahead
 
 enum Eviction : int64_t { kLru = 0, kLfu = 1, kNone = 2 };
 
@@ -64,7 +65,6 @@ struct State {
   uint32_t* ids;
   int32_t* last_seen;
   int32_t* counts;
-  uint32_t* claims;
   int32_t* sketch;
   uint32_t* log_ids;
   int32_t* log_steps;
@@ -89,6 +89,7 @@ class Assigner {
       : c_(cfg), w_(words), n_(n), now_(now), prev_(prev), s_(s), p_(n) {}
 
   void Run() {
+    Hash();
     Probe();
     Admit();
     for (int64_t i = 0; i < n_; ++i) {
@@ -105,23 +106,56 @@ class Assigner {
 
  private:
   int32_t Estimate(const uint32_t* w) const {
-    const uint32_t base = HashWords(w, kSaltSketch ^ c_.seed);
+    int64_t cols[16];
+    Columns(w, cols);
     int32_t best = kBigStep;
     for (int64_t d = 0; d < c_.depth; ++d) {
-      const uint32_t col =
-          Mix32(base ^ static_cast<uint32_t>((d + 1) * kGolden)) %
-          static_cast<uint32_t>(c_.width);
-      best = std::min(best, s_.sketch[d * c_.width + col]);
+      best = std::min(best, s_.sketch[cols[d]]);
     }
     return best;
   }
 
-  void Probe() {
+  // Homes and sketch columns first (no memory reads), so that the loops
+  // below can prefetch a few ids ahead: each id's window and sketch cells
+  // are cache misses on a large table.
+  void Hash() {
     const uint32_t homes = static_cast<uint32_t>(c_.capacity - c_.probe + 1);
+    if (c_.has_sketch) cols_.resize(n_ * c_.depth);
     for (int64_t i = 0; i < n_; ++i) {
+      const uint32_t* w = w_ + 2 * i;
+      p_[i].home = static_cast<int32_t>(HashWords(w, kSaltHome ^ c_.seed) %
+                                        homes);
+      if (c_.has_sketch) Columns(w, &cols_[i * c_.depth]);
+    }
+  }
+
+  void Columns(const uint32_t* w, int64_t* out) const {
+    const uint32_t base = HashWords(w, kSaltSketch ^ c_.seed);
+    for (int64_t d = 0; d < c_.depth; ++d) {
+      out[d] = d * c_.width +
+               Mix32(base ^ static_cast<uint32_t>((d + 1) * kGolden)) %
+                   static_cast<uint32_t>(c_.width);
+    }
+  }
+
+  void PrefetchSketch(int64_t i) const {
+    if (i >= n_) return;
+    for (int64_t d = 0; d < c_.depth; ++d) {
+      __builtin_prefetch(s_.sketch + cols_[i * c_.depth + d]);
+    }
+  }
+
+  void Probe() {
+    for (int64_t i = 0; i < n_; ++i) {
+      if (i + kAhead < n_) {
+        const int64_t ahead = p_[i + kAhead].home;
+        __builtin_prefetch(s_.ids + 2 * ahead);
+        __builtin_prefetch(s_.ids + 2 * (ahead + c_.probe) - 1);
+        __builtin_prefetch(s_.last_seen + ahead);
+        __builtin_prefetch(s_.last_seen + ahead + c_.probe - 1);
+      }
       Position& q = p_[i];
       const uint32_t* w = w_ + 2 * i;
-      q.home = static_cast<int32_t>(HashWords(w, kSaltHome ^ c_.seed) % homes);
       q.valid = w[0] < kHighLimit;
       for (int64_t j = 0; j < c_.probe && q.valid; ++j) {
         const int64_t slot = q.home + j;
@@ -152,18 +186,19 @@ class Assigner {
       }
     }
     for (int64_t i = 0; i < n_; ++i) {
+      PrefetchSketch(i + kAhead);
       if (!(c_.all_lookups ? p_[i].valid : p_[i].need)) continue;
-      const uint32_t base = HashWords(w_ + 2 * i, kSaltSketch ^ c_.seed);
       for (int64_t d = 0; d < c_.depth; ++d) {
-        const uint32_t col =
-            Mix32(base ^ static_cast<uint32_t>((d + 1) * kGolden)) %
-            static_cast<uint32_t>(c_.width);
-        int32_t& cell = s_.sketch[d * c_.width + col];
+        int32_t& cell = s_.sketch[cols_[i * c_.depth + d]];
         cell = std::min(cell + 1, kCountLimit);
       }
     }
     for (int64_t i = 0; i < n_; ++i) {
-      p_[i].seen = Estimate(w_ + 2 * i);
+      int32_t seen = kBigStep;
+      for (int64_t d = 0; d < c_.depth; ++d) {
+        seen = std::min(seen, s_.sketch[cols_[i * c_.depth + d]]);
+      }
+      p_[i].seen = seen;
       p_[i].admitted = p_[i].need && (c_.admit_after == 1 ||
                                       p_[i].seen >= c_.admit_after);
       p_[i].pending = p_[i].admitted;
@@ -270,6 +305,7 @@ class Assigner {
   int32_t now_, prev_;
   State s_;
   std::vector<Position> p_;
+  std::vector<int64_t> cols_;  // [n, depth] flat indices into the sketch
 };
 
 void Assigner::Finish(int32_t* slots, int32_t* fresh, int32_t* events,
@@ -280,12 +316,19 @@ void Assigner::Finish(int32_t* slots, int32_t* fresh, int32_t* events,
     const bool placed = q.admitted && !q.pending && !q.stuck && !q.declined;
     slots[i] = q.found ? q.hit_slot : (placed ? q.placed : c);
   }
-  // One representative per slot: its last position (the claims scratch
-  // marks slots already represented; cleared again below).
+  // One representative per slot: its last position. A small open-addressing
+  // set of the slots already represented (the batch's, not the table's:
+  // it stays in cache; the claims scratch is left untouched, all zero).
+  int64_t buckets = 16;
+  while (buckets < 2 * n_) buckets <<= 1;
+  std::vector<int32_t> taken(buckets, -1);
   std::vector<char> rep(n_, 0);
   for (int64_t i = n_ - 1; i >= 0; --i) {
-    if (slots[i] < c && s_.claims[slots[i]] == 0) {
-      s_.claims[slots[i]] = 1;
+    if (slots[i] >= c) continue;
+    int64_t b = Mix32(static_cast<uint32_t>(slots[i])) & (buckets - 1);
+    while (taken[b] >= 0 && taken[b] != slots[i]) b = (b + 1) & (buckets - 1);
+    if (taken[b] < 0) {
+      taken[b] = slots[i];
       rep[i] = 1;
     }
   }
@@ -294,7 +337,6 @@ void Assigner::Finish(int32_t* slots, int32_t* fresh, int32_t* events,
   int32_t total = 0;
   for (int64_t i = 0; i < n_; ++i) {
     const Position& q = p_[i];
-    if (rep[i]) s_.claims[slots[i]] = 0;
     const bool inserted = rep[i] && !q.found;
     fresh[i] = inserted ? slots[i] : c;
     admissions += inserted;
@@ -354,7 +396,7 @@ T* Aliased(const ffi::AnyBuffer& in, ffi::Result<ffi::AnyBuffer>& out) {
 
 ffi::Error IdAssign(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::S32> scalars,
                     ffi::AnyBuffer ids, ffi::AnyBuffer last_seen,
-                    ffi::AnyBuffer counts, ffi::AnyBuffer claims,
+                    ffi::AnyBuffer counts,
                     ffi::AnyBuffer sketch, ffi::AnyBuffer log_ids,
                     ffi::AnyBuffer log_steps,
                     ffi::Result<ffi::Buffer<ffi::S32>> slots,
@@ -363,7 +405,6 @@ ffi::Error IdAssign(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::S32> scalars,
                     ffi::Result<ffi::AnyBuffer> ids_out,
                     ffi::Result<ffi::AnyBuffer> last_seen_out,
                     ffi::Result<ffi::AnyBuffer> counts_out,
-                    ffi::Result<ffi::AnyBuffer> claims_out,
                     ffi::Result<ffi::AnyBuffer> sketch_out,
                     ffi::Result<ffi::AnyBuffer> log_ids_out,
                     ffi::Result<ffi::AnyBuffer> log_steps_out,
@@ -376,7 +417,8 @@ ffi::Error IdAssign(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::S32> scalars,
   if (scalars.element_count() != 4 || events->element_count() != 10 ||
       static_cast<int64_t>(ids.element_count()) != 2 * capacity ||
       static_cast<int64_t>(last_seen.element_count()) != capacity ||
-      probe < 1 || probe > capacity || lfu_period < 1 ||
+      probe < 1 || probe > capacity || lfu_period < 1 || depth < 1 ||
+      depth > 16 ||
       (has_sketch &&
        static_cast<int64_t>(sketch.element_count()) != depth * width) ||
       static_cast<int64_t>(log_steps.element_count()) <
@@ -390,7 +432,6 @@ ffi::Error IdAssign(ffi::Buffer<ffi::U32> words, ffi::Buffer<ffi::S32> scalars,
   State st{Aliased<uint32_t>(ids, ids_out),
            Aliased<int32_t>(last_seen, last_seen_out),
            Aliased<int32_t>(counts, counts_out),
-           Aliased<uint32_t>(claims, claims_out),
            Aliased<int32_t>(sketch, sketch_out),
            Aliased<uint32_t>(log_ids, log_ids_out),
            Aliased<int32_t>(log_steps, log_steps_out)};
@@ -441,11 +482,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxIdAssign, IdAssign,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
