@@ -24,9 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.experiments.hashed_table import zipf_stream
 import lazy_optax
 from lazy_optax._src import cpu_kernels
-from benchmarks.experiments.hashed_table import zipf_stream
 
 
 def main(argv=None) -> dict:
