@@ -52,8 +52,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazy_optax._src import checks
+from lazy_optax._src import cpu_kernels
 from lazy_optax._src import id_assign
 from lazy_optax._src import id_export
+from lazy_optax._src import id_kernels
 from lazy_optax._src import id_words
 from lazy_optax._src import sharding as _sharding
 
@@ -340,7 +342,7 @@ class IdTable:
       An `IdTableState`.
     """
     c, log, sketch = self.capacity, self._log_size, self._sketch_shape
-    return IdTableState(
+    state = IdTableState(
         ids=jnp.full((c, 2), id_words.EMPTY_WORD, jnp.uint32),
         last_seen=jnp.full((c,), EMPTY_STEP, jnp.int32),
         counts=jnp.zeros((c,), jnp.int32) if self.eviction == 'lfu' else None,
@@ -357,6 +359,8 @@ class IdTable:
         live=jnp.zeros((), jnp.int32),
         counters=IdCounters(*(jnp.zeros((2,), jnp.uint32)
                               for _ in IdCounters._fields)))
+    cpu_kernels.load_for(state)   # eagerly, on concrete CPU arrays only
+    return state
 
   def shardings(self, mesh: Any, axis: Any) -> IdTableState:
     """Shardings for the state: slot arrays split over `axis` of `mesh`.
@@ -472,6 +476,11 @@ class IdTable:
     return _find_jit(self, state, words).reshape(shape)
 
   def _find(self, state: IdTableState, words: jax.Array) -> jax.Array:
+    return id_kernels.on_platform(
+        self, state, functools.partial(id_kernels.find, self),
+        self._find_xla, state, words)
+
+  def _find_xla(self, state: IdTableState, words: jax.Array) -> jax.Array:
     win = id_assign.probe_windows(self, state.ids, state.last_seen, words,
                                   jnp.maximum(state.step, 0))
     return jnp.where(win.found, win.hit_slot, self.capacity).astype(jnp.int32)
@@ -615,6 +624,18 @@ class IdTable:
 
   def _assign(self, state: IdTableState, words: jax.Array, now: jax.Array
               ) -> tuple[jax.Array, IdTableState, FreshRows, jax.Array]:
+    """The CPU kernel where it may run (`id_kernels.usable`), else XLA's."""
+
+    def kernel(state, words, now):
+      slots, state, fresh, room = id_kernels.assign(self, state, words, now)
+      return slots, state, FreshRows(fresh, words), room
+
+    return id_kernels.on_platform(self, state, kernel, self._assign_xla,
+                                  state, words, now)
+
+  def _assign_xla(self, state: IdTableState, words: jax.Array,
+                  now: jax.Array
+                  ) -> tuple[jax.Array, IdTableState, FreshRows, jax.Array]:
     """The steps of the module doc, each a function of `id_assign`."""
     c = self.capacity
     # 1. Probe windows: each id's window, and the live ids found there.

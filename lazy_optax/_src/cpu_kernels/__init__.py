@@ -1,7 +1,9 @@
 """CPU row kernels, called through JAX's public `jax.ffi`.
 
 `rows.cc` holds the kernels (deduplication, row gather, scatter and
-scatter-add, and the fused row update of each lazy_optax rule); `build.py`
+scatter-add, and the fused row update of each lazy_optax rule),
+`id_kernels.cc` those of `IdTable` (wrapped by `lazy_optax._src.id_kernels`);
+`build.py`
 finds or builds the compiled library and refuses files it cannot trust.
 
 Every rule kernel is called the same way (`rule`): its hyperparameters are
@@ -42,7 +44,8 @@ RULES = ('LazyOptaxAdam', 'LazyOptaxAmsgrad', 'LazyOptaxRowwiseAdagrad',
          'LazyOptaxRowwiseRmspropAr')
 TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
            'LazyOptaxScatter', 'LazyOptaxScatterAdd',
-           'LazyOptaxAddStochastic') + RULES
+           'LazyOptaxAddStochastic', 'LazyOptaxIdAssign',
+           'LazyOptaxIdFind') + RULES
 # Storage dtypes the kernels read and write (tables, moments, accumulators).
 STORAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # The dtype of a rule's counter tables (its C++ `kInt32`), read exactly.

@@ -1,6 +1,7 @@
 """Finding, building and verifying the compiled CPU row kernels.
 
-The kernels (`rows.cc`) come from one of two places, tried in order:
+The kernels (`rows.cc` and `id_kernels.cc`, one library) come from one of
+two places, tried in order:
 
 1. **cache**: where a C++ compiler is found (`$CXX`, else `c++`, `g++`,
    `clang++`), the source is compiled once per machine for this CPU
@@ -49,6 +50,9 @@ LOGGER = logging.getLogger('lazy_optax')
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SOURCE = os.path.join(HERE, 'rows.cc')
+# Every source compiled into the one library (the row kernels, the id
+# table's kernels).
+SOURCES = (SOURCE, os.path.join(HERE, 'id_kernels.cc'))
 PREBUILT_DIR = os.path.join(HERE, 'prebuilt')
 LIBRARY_NAME = 'lazy_optax_rows.so'
 FLAGS = ('-O3', '-fno-math-errno', '-std=c++17', '-shared', '-fPIC', '-w')
@@ -146,8 +150,10 @@ def _key(cxx: str) -> Optional[str]:
                              text=True, timeout=60, check=False).stdout
   except (OSError, subprocess.SubprocessError):
     return None
-  with open(SOURCE, 'rb') as f:
-    source = f.read()
+  source = b''
+  for path in SOURCES:
+    with open(path, 'rb') as f:
+      source += f.read()
   return hashlib.sha256(
       source + jaxlib.__version__.encode() + version.encode()
       + ' '.join(FLAGS + NATIVE_FLAGS).encode() + _cpu().encode()
@@ -194,7 +200,8 @@ def _compile(cxx: str, folder: str, out: str,
   import jax  # pylint: disable=g-import-not-at-top
   fd, tmp = tempfile.mkstemp(prefix=_BUILD_PREFIX, suffix='.so', dir=folder)
   os.close(fd)
-  cmd = [cxx, *FLAGS, *extra, '-I', jax.ffi.include_dir(), SOURCE, '-o', tmp]
+  cmd = [cxx, *FLAGS, *extra, '-I', jax.ffi.include_dir(), *SOURCES, '-o',
+         tmp]
   try:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600,
                           check=False)
