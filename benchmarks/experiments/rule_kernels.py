@@ -42,6 +42,9 @@ from benchmarks.harness import contenders
 _BASELINE_READS = {'LazyOptaxAdam': 0, 'LazyOptaxAmsgrad': 0,
                    'LazyOptaxRowwiseAdagrad': 1,
                    'LazyOptaxPartialRowwiseAdam': 0, 'LazyOptaxFtrl': 1}
+# Whether the baseline binds the hyperparameter record as uint32 words (the
+# revisions with int32 fields) rather than float32 values.
+_BASELINE_WORDS = {'hyper': False}
 
 
 def build_baseline(rev: str, folder: str) -> str:
@@ -53,6 +56,7 @@ def build_baseline(rev: str, folder: str) -> str:
   source = subprocess.run(
       ['git', 'show', f'{rev}:lazy_optax/_src/cpu_kernels/rows.cc'],
       capture_output=True, text=True, check=True, cwd=root.strip()).stdout
+  _BASELINE_WORDS['hyper'] = 'ffi::Buffer<ffi::U32> hyper' in source
   src = os.path.join(folder, 'rows.cc')
   with open(src, 'w', encoding='utf-8') as f:
     f.write(source)
@@ -85,8 +89,11 @@ def baseline_rule(target, ids, grads, hyper, params, tables):
       + (jax.ShapeDtypeStruct(grads.shape, jnp.float32),),
       input_output_aliases={first + k: k for k in range(len(tables))},
       vmap_method='sequential')
-  out = call(ids.astype(jnp.int32), grads.astype(jnp.float32),
-             hyper.astype(jnp.float32), *reads, *tables)
+  hyper = hyper.astype(jnp.float32)
+  if _BASELINE_WORDS['hyper']:
+    hyper = jax.lax.bitcast_convert_type(hyper, jnp.uint32)
+  out = call(ids.astype(jnp.int32), grads.astype(jnp.float32), hyper, *reads,
+             *tables)
   return tuple(out[:-1]), out[-1]
 
 

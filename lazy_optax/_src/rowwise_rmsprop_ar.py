@@ -19,11 +19,11 @@ the summed row gradient, `t` the global step counted from 1):
 The state is two numbers a row: `v` (the field `nu`, float32, FBGEMM's
 `momentum1`) and `prev_iter` (int32, 0 for a row never updated; int32
 whatever the table's dtype, so step counts stay exact, where FBGEMM keeps a
-float32 that stops counting exactly past 2**24 steps). With `ar_alpha=0` the rule is plain row-wise RMSprop. The update
-returned is `w_new - w` (the rule reads the weights), so `update` needs
-`params`. On a `SparseRows` gradient only the touched rows change; a dense
-gradient touches every row at every step (so `I` is 1 from the second
-step on).
+float32 that stops counting exactly past 2**24 steps). With `ar_alpha=0`
+the rule is plain row-wise RMSprop. The update returned is `w_new - w` (the
+rule reads the weights), so `update` needs `params`. On a `SparseRows`
+gradient only the touched rows change; a dense gradient touches every row
+at every step (so `I` is 1 from the second step on).
 """
 
 from __future__ import annotations
