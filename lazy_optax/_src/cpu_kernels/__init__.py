@@ -33,7 +33,8 @@ from lazy_optax._src.cpu_kernels import build
 ENV_SWITCH = 'LAZY_OPTAX_CPU_KERNELS'
 # The rule kernels (rows.cc's LAZY_OPTAX_RULE), all called through `rule`.
 RULES = ('LazyOptaxAdam', 'LazyOptaxAmsgrad', 'LazyOptaxRowwiseAdagrad',
-         'LazyOptaxPartialRowwiseAdam', 'LazyOptaxFtrl')
+         'LazyOptaxPartialRowwiseAdam', 'LazyOptaxFtrl', 'LazyOptaxCowclip',
+         'LazyOptaxRowMaxNorm')
 TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
            'LazyOptaxScatter', 'LazyOptaxScatterAdd',
            'LazyOptaxAddStochastic') + RULES
