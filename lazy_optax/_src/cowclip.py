@@ -92,7 +92,8 @@ def id_counts(ids: jax.Array, num_rows: int) -> SparseRows:
     num_rows: the table's row count.
 
   Returns:
-    A `SparseRows` of ones over `ids` (it sums to the count of each id).
+    A `SparseRows` of ones over `ids` (it sums to the count of each id);
+    ids outside `[0, num_rows)` (padding) count nowhere.
 
   Example:
     >>> import jax.numpy as jnp, lazy_optax
@@ -101,7 +102,10 @@ def id_counts(ids: jax.Array, num_rows: int) -> SparseRows:
     Array([0., 1., 0., 3., 0.], dtype=float32)
   """
   ids = jnp.asarray(ids).reshape(-1)
-  return SparseRows(ids, jnp.ones(ids.shape, jnp.float32), num_rows)
+  # Like `value_and_grad`'s gradients, ids outside the table (padding) are
+  # kept and name no row.
+  named = (ids >= 0) & (ids < num_rows)
+  return SparseRows.from_unique(ids, named.astype(jnp.float32), num_rows)
 
 
 def _report_mismatch(count: Any, where: str) -> np.ndarray:
@@ -130,6 +134,11 @@ def _check_same_ids(ids: jax.Array, count_ids: jax.Array, num_rows: int,
                       report, differ)
 
 
+def _first_entry(values: jax.Array) -> jax.Array:
+  """One number per row: `[N]` as it is, `[N, 1, ...]` its first entry."""
+  return values[(slice(None),) + (0,) * (values.ndim - 1)]
+
+
 def _row_counts(counts: SparseRows, g: Any, p: Any, name: str) -> jax.Array:
   """`counts` as one number per row of `g` (lazy's row block or dense)."""
   where = f'parameter {name}'
@@ -139,7 +148,7 @@ def _row_counts(counts: SparseRows, g: Any, p: Any, name: str) -> jax.Array:
     raise ValueError(f'cowclip: counts for {where} say num_rows='
                      f'{counts.num_rows}, the parameter has {num_rows} rows.')
   if block is None:
-    return counts.to_dense().reshape(num_rows, -1)[:, 0]
+    return _first_entry(counts.to_dense())
   count_ids, values = distinct_rows(counts, f'the counts for {where}')
   if count_ids.shape != block.ids.shape:
     raise ValueError(
@@ -147,7 +156,7 @@ def _row_counts(counts: SparseRows, g: Any, p: Any, name: str) -> jax.Array:
         f'gradient {block.ids.shape[0]}: build them with lazy_optax.id_counts '
         'from the same batch ids the loss looked up.')
   zero = _check_same_ids(block.ids, count_ids, num_rows, where)
-  return values.reshape(values.shape[0], -1)[:, 0] + zero
+  return _first_entry(values) + zero
 
 
 def _clip_leaf(rule: fused.RowRule, g: Any, p: Any, c: Any, name: str,
