@@ -26,9 +26,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import lazy_optax
 from benchmarks.common import make_batches
 from benchmarks.common import TARGET
+import lazy_optax
 
 
 def optimizers(lr: float = 1e-3) -> dict:

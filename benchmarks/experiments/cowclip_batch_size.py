@@ -33,8 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-import lazy_optax
 from benchmarks.experiments import ctr_stream
+import lazy_optax
 
 BATCH_SIZES = (1_000, 10_000, 100_000)
 

@@ -67,10 +67,10 @@ def explain_update(
 ) -> dict[str, fused.Choice]:
   """Which implementation updates each row-sparse parameter, and why.
 
-  Traces `tx.update(grads, opt_state, params, **extra_args)` abstractly (nothing runs,
-  nothing is compiled) and reports the choice made for each parameter with
-  a `SparseRows` gradient, as the same call inside your `jax.jit` step would
-  make it. The CPU kernel's choice holds for a step compiled for CPU; the
+  Traces `tx.update(grads, opt_state, params, **extra_args)` abstractly
+  (nothing runs, nothing is compiled) and reports the choice made for each
+  parameter with a `SparseRows` gradient, as the same call inside your
+  `jax.jit` step would make it. The CPU kernel's choice holds for a step compiled for CPU; the
   same step compiled for another platform takes `'xla'`.
 
   Args:
