@@ -70,8 +70,9 @@ def explain_update(
   Traces `tx.update(grads, opt_state, params, **extra_args)` abstractly
   (nothing runs, nothing is compiled) and reports the choice made for each
   parameter with a `SparseRows` gradient, as the same call inside your
-  `jax.jit` step would make it. The CPU kernel's choice holds for a step compiled for CPU; the
-  same step compiled for another platform takes `'xla'`.
+  `jax.jit` step would make it. The CPU kernel's choice holds for a step
+  compiled for CPU; the same step compiled for another platform takes
+  `'xla'`.
 
   Args:
     tx: the optimizer (any composition containing `lazy(...)`).
