@@ -10,10 +10,14 @@ size over 1,000:
 
 * `adam_sqrt`: `lazy_adam(lr0 * sqrt(s))`, the square-root rule for Adam;
 * `adam_fixed`: `lazy_adam(lr0)`, no scaling;
-* `cowclip_fixed`: `lazy_adam_cowclip(lr0)`, the paper's rule for the
-  embeddings (learning rate unchanged; the paper also scales an L2 term on
-  the embeddings linearly with `s`, which this model does not have);
-* `cowclip_sqrt`: `lazy_adam_cowclip(lr0 * sqrt(s))`.
+* `cowclip_fixed r=R`: `lazy_adam_cowclip(lr0, coef=R)`, the paper's rule
+  for the embeddings (learning rate unchanged; the paper also scales an L2
+  term on the embeddings linearly with `s`, which this model does not have);
+* `cowclip_sqrt r=R`: `lazy_adam_cowclip(lr0 * sqrt(s), coef=R)`,
+
+for each CowClip ratio `R` of `--coefs` (`lower_bound` 1e-5). The loss is a
+mean over the batch, so a row's gradient per occurrence is about `0.5 / B`
+for batch size `B`: a ratio clips only where `R * ||w_r||` falls below that.
 
 CowClip's counts come from each batch's ids (`lazy_optax.id_counts`, built
 inside the jitted step). Printed per method and batch size: the held-out
@@ -74,25 +78,31 @@ def held_out_auc(model: ctr_stream.FactorizationMachine, params: dict,
   return auc(scores, samples.clicks)
 
 
-def methods(lr0: float, num_rows: int
+def methods(lr0: float, num_rows: int, coefs: tuple[float, ...]
             ) -> dict[str, Callable[[float], tuple[Any, bool]]]:
   """name -> (scale s -> (tx, takes batch ids))."""
-  def cowclip(lr):
-    return with_batch_counts(lazy_optax.lazy_adam_cowclip(lr), num_rows), True
+  def cowclip(lr, coef):
+    return with_batch_counts(lazy_optax.lazy_adam_cowclip(lr, coef),
+                             num_rows), True
 
-  return {
+  out: dict[str, Callable[[float], tuple[Any, bool]]] = {
       'adam_sqrt': lambda s: (lazy_optax.lazy_adam(lr0 * np.sqrt(s)), False),
       'adam_fixed': lambda s: (lazy_optax.lazy_adam(lr0), False),
-      'cowclip_fixed': lambda s: cowclip(lr0),
-      'cowclip_sqrt': lambda s: cowclip(lr0 * np.sqrt(s)),
   }
+  for coef in coefs:
+    out[f'cowclip_fixed r={coef:g}'] = (
+        lambda s, coef=coef: cowclip(lr0, coef))
+    out[f'cowclip_sqrt r={coef:g}'] = (
+        lambda s, coef=coef: cowclip(lr0 * np.sqrt(s), coef))
+  return out
 
 
-def run(samples: int, epochs: int, lr0: float) -> dict:
+def run(samples: int, epochs: int, lr0: float,
+        coefs: tuple[float, ...]) -> dict:
   split = ctr_stream.make_split(samples)
   model = ctr_stream.FactorizationMachine()
   out: dict = {}
-  for name, make in methods(lr0, split.num_rows).items():
+  for name, make in methods(lr0, split.num_rows, coefs).items():
     for batch in BATCH_SIZES:
       tx, takes_ids = make(batch / BATCH_SIZES[0])
       start = time.process_time()
@@ -128,7 +138,7 @@ def plot(results: dict, path: str) -> None:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use('Agg')
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
   names = sorted({r['method'] for r in results.values()})
   for name in names:
     rows = [r for r in results.values() if r['method'] == name]
@@ -141,7 +151,7 @@ def plot(results: dict, path: str) -> None:
     ax.set_xlabel('batch size (fixed epochs)')
     ax.set_ylabel(key)
     ax.grid(True, alpha=0.3)
-  axes[0].legend()
+  axes[0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(path, dpi=100)
 
@@ -151,10 +161,13 @@ def main() -> None:
   parser.add_argument('--samples', type=int, default=1_000_000)
   parser.add_argument('--epochs', type=int, default=2)
   parser.add_argument('--lr0', type=float, default=2e-3)
+  parser.add_argument('--coefs', default='1,0.01,0.0001',
+                      help="CowClip's ratios r, comma-separated")
   parser.add_argument('--plot', default='')
   parser.add_argument('--json', default='')
   args = parser.parse_args()
-  results = run(args.samples, args.epochs, args.lr0)
+  results = run(args.samples, args.epochs, args.lr0,
+                tuple(float(c) for c in args.coefs.split(',')))
   if args.json:
     with open(args.json, 'w', encoding='utf-8') as f:
       json.dump(results, f, indent=1)
