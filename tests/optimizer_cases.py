@@ -189,7 +189,7 @@ def with_unit_counts(tx: optax.GradientTransformation
 
   def update(grads, state, params=None, **extra):
     counts = jax.tree.map(counts_of, grads,
-                          is_leaf=lambda x: isinstance(x, lazy_optax.SparseRows))
+                          is_leaf=lazy_optax.tree.is_sparse_rows)
     return tx.update(grads, state, params, counts=counts, **extra)
 
   return optax.GradientTransformationExtraArgs(tx.init, update)

@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optimizer_cases import batches
 import pytest
 import reference
-from optimizer_cases import batches
 
 import lazy_optax
 from lazy_optax import SparseRows

@@ -215,7 +215,7 @@ def cowclip(
     >>> tx = lazy_optax.lazy(lazy_optax.cowclip(coef=0.5))
     >>> u, _ = tx.update(grads, tx.init(params), params,
     ...                  counts={'table': lazy_optax.id_counts(ids, 5)})
-    >>> u.to_dense()[1:3].round(4)  # norms 2 * 0.5 * sqrt(2), 0.5 * sqrt(2)
+    >>> u['table'].to_dense()[1:3].round(4)  # norms 2 * 0.5 * sqrt(2), 0.5 * sqrt(2)
     Array([[1. , 1. ],
            [0.5, 0.5]], dtype=float32)
   """
@@ -297,7 +297,7 @@ def lazy_adam_cowclip(
     >>> grads = {'table': lazy_optax.SparseRows(ids, jnp.ones((3, 4)), 100)}
     >>> counts = {'table': lazy_optax.id_counts(ids, 100)}
     >>> u, state = tx.update(grads, tx.init(params), params, counts=counts)
-    >>> float(u.to_dense()[3, 0])
+    >>> float(u['table'].to_dense()[3, 0])
     -0.001...
   """
   validate.hyperparameters('lazy_adam_cowclip', beta=dict(b1=b1, b2=b2),
