@@ -33,6 +33,9 @@ from lazy_optax._src.adam_with_counter import adam_with_counter
 from lazy_optax._src.adam_with_counter import scale_by_adam_with_counter
 from lazy_optax._src.adam_with_counter import ScaleByAdamWithCounterState
 from lazy_optax._src.apply import apply_updates
+from lazy_optax._src.cowclip import cowclip
+from lazy_optax._src.cowclip import id_counts
+from lazy_optax._src.cowclip import lazy_adam_cowclip
 from lazy_optax._src.ftrl import ftrl
 from lazy_optax._src.ftrl import FtrlState
 from lazy_optax._src.grads import value_and_grad
@@ -44,6 +47,7 @@ from lazy_optax._src.lookups import lookup_bag
 from lazy_optax._src.partial_rowwise_adam import partial_rowwise_adam
 from lazy_optax._src.partial_rowwise_adam import scale_by_partial_rowwise_adam
 from lazy_optax._src.partial_rowwise_adam import ScaleByPartialRowwiseAdamState
+from lazy_optax._src.row_max_norm import row_max_norm
 from lazy_optax._src.rowwise_adagrad import rowwise_adagrad
 from lazy_optax._src.rowwise_adagrad import scale_by_rowwise_adagrad
 from lazy_optax._src.rowwise_adagrad import ScaleByRowwiseAdagradState
@@ -98,6 +102,11 @@ __all__ = (
     'FtrlState',
     'rowwise_rmsprop_ar',
     'RowwiseRmspropArState',
+    # Row rules without state, placed in a chain inside lazy(...).
+    'cowclip',
+    'lazy_adam_cowclip',
+    'id_counts',
+    'row_max_norm',
     # Which row-update implementation runs where, and why.
     'kernel_status',
     'explain_update',

@@ -207,10 +207,76 @@ OPTAX_ADAM = Case(
     dtypes=(Dtypes(_BF16, dict(), {'mu': _BF16, 'nu': _BF16}, 3e-2),),
     steps=20)
 
+
+def with_unit_counts(tx: optax.GradientTransformation
+                     ) -> optax.GradientTransformationExtraArgs:
+  """`tx` (CowClip inside) given `counts=` of one per distinct id.
+
+  The suite calls `update(grads, state, params)`; CowClip also needs each
+  id's count in the batch, which a `SparseRows` no longer holds. Here every
+  distinct id of a `SparseRows` gradient (every row of a dense one) counts
+  once, and the model (`reference.CowClip(counts='distinct')`) does the
+  same; tests/test_cowclip.py passes the batch's true counts.
+  """
+  def counts_of(g):
+    if isinstance(g, lazy_optax.SparseRows):
+      return lazy_optax.id_counts(g.ids, g.num_rows)
+    rows = jnp.shape(g)[0] if jnp.ndim(g) else 1
+    return lazy_optax.id_counts(jnp.arange(rows), rows)
+
+  def update(grads, state, params=None, **extra):
+    counts = jax.tree.map(counts_of, grads,
+                          is_leaf=lazy_optax.tree.is_sparse_rows)
+    return tx.update(grads, state, params, counts=counts, **extra)
+
+  return optax.GradientTransformationExtraArgs(tx.init, update)
+
+
+def lazy_adam_cowclip_unit_counts(learning_rate, coef=1.0, lower_bound=1e-5,
+                                  *, mu_dtype=None, nu_dtype=None,
+                                  impl='auto'):
+  return with_unit_counts(lazy_optax.lazy_adam_cowclip(
+      learning_rate, coef, lower_bound, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+      impl=impl))
+
+
+def rowwise_adagrad_max_norm(learning_rate, max_norm=1.0, *,
+                             accumulator_dtype=None, impl='auto'):
+  """Row-wise Adagrad with every written row kept within `max_norm`."""
+  return lazy_optax.lazy(optax.chain(
+      lazy_optax.scale_by_rowwise_adagrad(
+          accumulator_dtype=accumulator_dtype, impl=impl),
+      optax.scale_by_learning_rate(learning_rate),
+      lazy_optax.row_max_norm(max_norm, impl=impl)))
+
+
+_COWCLIP = dict(coef=0.8, lower_bound=0.5)
+
+LAZY_ADAM_COWCLIP = dataclasses.replace(
+    LAZY_ADAM, name='lazy_adam+cowclip', fn=lazy_adam_cowclip_unit_counts,
+    kwargs=_COWCLIP, lr=0.05,
+    model=lambda t, lr: reference.CowClip(reference.TFLazyAdam(t, lr=lr),
+                                          counts='distinct', **_COWCLIP),
+    chained=lambda: with_unit_counts(lazy_optax.lazy(optax.chain(
+        lazy_optax.cowclip(**_COWCLIP), lazy_optax.scale_by_lazy_adam(),
+        optax.scale_by_learning_rate(0.05)))),
+    dtypes=(Dtypes(_BF16, dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32),
+                   {'m': jnp.float32, 'v': jnp.float32}, 3e-2),))
+
+ROWWISE_ADAGRAD_MAX_NORM = dataclasses.replace(
+    ROWWISE_ADAGRAD, name='rowwise_adagrad+max_norm',
+    fn=rowwise_adagrad_max_norm, kwargs=dict(max_norm=1.0), lr=0.3,
+    model=lambda t, lr: reference.RowMaxNorm(
+        reference.RowwiseAdagrad(t, lr=lr), max_norm=1.0),
+    chained=lambda: lazy_optax.lazy(optax.chain(
+        optax.clip_by_global_norm(1e6), lazy_optax.scale_by_rowwise_adagrad(),
+        optax.scale_by_learning_rate(0.3), lazy_optax.row_max_norm(1.0))),
+    dtypes=(Dtypes(_BF16, {}, {'sum_of_squares': jnp.float32}, 3e-2),))
+
 # Every property is checked on each of these.
 CASES = (LAZY_ADAM, ROWWISE_ADAGRAD, PARTIAL_ROWWISE_ADAM, FTRL,
          ADAM_WITH_COUNTER, ROWWISE_ADAGRAD_WITH_COUNTER, ROWWISE_RMSPROP_AR,
-         OPTAX_ADAM)
+         OPTAX_ADAM, LAZY_ADAM_COWCLIP, ROWWISE_ADAGRAD_MAX_NORM)
 
 
 def _variant(case: Case, name: str, model: Callable[..., Any],

@@ -372,3 +372,82 @@ class OptaxAdam:
           self.p[r], self.m[r], self.v[r], self.t, g, self.lr, self.b1,
           self.b2, self.eps)
     return sorted(summed)
+
+
+def _count_rows(ids, num_rows):
+  """{row id: occurrences} for the in-range ids."""
+  counts = {}
+  for i in np.asarray(ids):
+    i = int(i)
+    if 0 <= i < num_rows:
+      counts[i] = counts.get(i, 0) + 1
+  return counts
+
+
+class CowClip:
+  """CowClip (Zheng et al., AAAI 2023) before another model's step.
+
+  Each touched row's summed gradient g_r is scaled by min(1, t_r / ||g_r||),
+  t_r = c_r * max(coef * ||w_r||, lower_bound), c_r the occurrences of id r
+  in the step's ids (`counts='batch'`) or 1 for every distinct id
+  (`counts='distinct'`: what the conformance cases pass), then `model` steps
+  on the clipped rows. The model's attributes (p, m, v, ...) are its own.
+  """
+
+  _OWN = ('model', 'coef', 'lower_bound', 'counts')
+
+  def __init__(self, model, coef=1.0, lower_bound=1e-5, counts='batch'):
+    self.model, self.coef, self.lower_bound = model, coef, lower_bound
+    self.counts = counts
+
+  def __getattr__(self, name):
+    return getattr(self.__dict__['model'], name)
+
+  def __setattr__(self, name, value):  # lr and the like are the model's
+    if name in self._OWN:
+      object.__setattr__(self, name, value)
+    else:
+      setattr(self.model, name, value)
+
+  def step(self, ids, values):
+    p = self.model.p
+    summed = summed_rows(ids, values, p.shape[0])
+    counts = _count_rows(ids, p.shape[0])
+    rows = sorted(summed)
+    clipped = []
+    for r in rows:
+      c = counts[r] if self.counts == 'batch' else 1
+      t = c * max(self.coef * np.linalg.norm(p[r]), self.lower_bound)
+      norm = np.linalg.norm(summed[r])
+      clipped.append(summed[r] * (t / norm if norm > t else 1.0))
+    shape = (0,) + p.shape[1:]
+    return self.model.step(np.array(rows, np.int64),
+                           np.array(clipped) if rows else np.zeros(shape))
+
+
+class RowMaxNorm:
+  """Row max-norm at update time after another model's step: every row the
+  step wrote is scaled to L2 norm `max_norm` where it is longer."""
+
+  _OWN = ('model', 'max_norm')
+
+  def __init__(self, model, max_norm):
+    self.model, self.max_norm = model, max_norm
+
+  def __getattr__(self, name):
+    return getattr(self.__dict__['model'], name)
+
+  def __setattr__(self, name, value):  # lr and the like are the model's
+    if name in self._OWN:
+      object.__setattr__(self, name, value)
+    else:
+      setattr(self.model, name, value)
+
+  def step(self, ids, values):
+    touched = self.model.step(ids, values)
+    p = self.model.p
+    for r in touched:
+      norm = np.linalg.norm(p[r])
+      if norm > self.max_norm:
+        p[r] = p[r] * (self.max_norm / norm)
+    return touched

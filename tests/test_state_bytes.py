@@ -59,6 +59,13 @@ CONFIGS = {
         (lazy_optax.ftrl(1e-2), jnp.float32),
         (lazy_optax.ftrl(1e-2, accumulator_dtype=BF16, linear_dtype=BF16),
          jnp.float32)),
+    # Row rules without state: what they add to an optimizer's.
+    'cowclip': (
+        (lazy_optax.lazy(lazy_optax.cowclip()), jnp.float32),
+        (lazy_optax.lazy(lazy_optax.cowclip()), BF16)),
+    'row_max_norm': (
+        (lazy_optax.lazy(lazy_optax.row_max_norm(1.0)), jnp.float32),
+        (lazy_optax.lazy(lazy_optax.row_max_norm(1.0)), BF16)),
 }
 
 EXPECTED = {  # bytes per row at D = 64: (float32, bfloat16 moments)
@@ -71,6 +78,8 @@ EXPECTED = {  # bytes per row at D = 64: (float32, bfloat16 moments)
     'rowwise_rmsprop_ar': (8, 6),  # v (float32 or bfloat16), int32 prev_iter
     'lazy(optax.adagrad)': (256, 128),
     'ftrl': (512, 256),
+    'cowclip': (0, 0),
+    'row_max_norm': (0, 0),
 }
 
 

@@ -210,6 +210,8 @@ def _kernel_refusal(rule: RowRule, g: Any, blocks: dict[str, Block],
             'split a trace cannot see (use Explicit axes)')
   if where.split_within_rows:
     return 'the table is split within its rows (only row splits run per shard)'
+  if where.kind == 'explicit' and not rule.tables:
+    return 'a rule without state runs its kernel on one device only'
   if where.kind == 'explicit' and where.row_axes:
     shards = 1
     for axis in where.row_axes:
@@ -339,32 +341,56 @@ def _per_shard(kernel: Callable[..., Any], where: Placement,
       out_specs=((table_spec,) * num_tables, P()))
 
 
-def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
-              hyper: Any, impl: str) -> tuple[Any, dict[str, Any]]:
+def _located(rule: RowRule, rows: dict[str, Any], params: Any
+             ) -> Optional[tuple[RowContext, dict[str, Block]]]:
+  """The context and blocks of a leaf's row blocks, if `lazy` gathered all.
+
+  A rule without state (a clip) is located by its parameter rows.
+  """
+  param_block = (_find(params) if rule.needs_params and params is not None
+                 else None)
+  if not rows:
+    if param_block is None:
+      return None
+    return param_block[0], {'params': param_block[1]}
   found = [_find(v) for v in rows.values()]
-  if not rows or any(f is None for f in found):
-    return _dense(rule, g, rows, params, hyper)
-  context = found[0][0]  # type: ignore[index]
+  if any(f is None for f in found):
+    return None
   blocks = {k: f[1] for k, f in zip(rows, found)}  # type: ignore[index]
   ids = next(iter(blocks.values())).ids
   if any(b.ids is not ids for b in blocks.values()):
+    return None
+  if rule.needs_params and (param_block is None
+                            or param_block[1].ids is not ids):
+    return None
+  return found[0][0], blocks  # type: ignore[index]
+
+
+def block_of(rows: Any) -> Optional[Block]:
+  """The `Block` a row block came from, if `lazy` gathered it (else None)."""
+  found = _find(rows)
+  return None if found is None else found[1]
+
+
+def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
+              hyper: Any, impl: str) -> tuple[Any, dict[str, Any]]:
+  located = _located(rule, rows, params)
+  if located is None:
     return _dense(rule, g, rows, params, hyper)
-  if rule.needs_params:
-    param_block = _find(params) if params is not None else None
-    if param_block is None or param_block[1].ids is not ids:
-      return _dense(rule, g, rows, params, hyper)
+  context, blocks = located
+  ids = next(iter(blocks.values())).ids
   name = next(iter(blocks.values())).name
   choice, reason = _choose(rule, impl, g, blocks)
   record(Choice(name, rule.name, choice, reason), context)
   if choice == 'generic':
     return _dense(rule, g, rows, params, hyper)
-  tables = {k: b.table for k, b in blocks.items()}
+  tables = {k: b.table for k, b in blocks.items() if k in rows}
   if choice == 'xla':
     new, u = _xla_tables(rule, g, tables, ids, params, hyper, reread=True,
                          rows=rows)
   else:
     new, u = _kernel_tables(rule, g, tables, ids, params, hyper,
-                            placement(next(iter(tables.values()))))
+                            placement(next(iter(blocks.values())).table))
   # Hand the tables to `lazy`; the rows read back stand for them in the
   # state `tx` returns (correct rows even where `lazy` cannot find them).
   stored = {}

@@ -63,14 +63,16 @@ def explain_update(
     grads: Any,
     opt_state: Any,
     params: Optional[Any] = None,
+    **extra_args: Any,
 ) -> dict[str, fused.Choice]:
   """Which implementation updates each row-sparse parameter, and why.
 
-  Traces `tx.update(grads, opt_state, params)` abstractly (nothing runs,
-  nothing is compiled) and reports the choice made for each parameter with
-  a `SparseRows` gradient, as the same call inside your `jax.jit` step would
-  make it. The CPU kernel's choice holds for a step compiled for CPU; the
-  same step compiled for another platform takes `'xla'`.
+  Traces `tx.update(grads, opt_state, params, **extra_args)` abstractly
+  (nothing runs, nothing is compiled) and reports the choice made for each
+  parameter with a `SparseRows` gradient, as the same call inside your
+  `jax.jit` step would make it. The CPU kernel's choice holds for a step
+  compiled for CPU; the same step compiled for another platform takes
+  `'xla'`.
 
   Args:
     tx: the optimizer (any composition containing `lazy(...)`).
@@ -78,10 +80,12 @@ def explain_update(
       `jax.ShapeDtypeStruct`s, `SparseRows` for the tables).
     opt_state: `tx`'s state (arrays or shape structs).
     params: the parameters, for transformations that need them.
+    **extra_args: optax's extra arguments of the update (CowClip's
+      `counts=`).
 
   Returns:
     A dict from parameter path (`'emb/table'`) to a `Choice(parameter, rule,
-    impl, reason)`.
+    impl, reason)`; where a chain holds several rules, the last one's.
 
   Example:
     >>> import jax.numpy as jnp
@@ -95,6 +99,6 @@ def explain_update(
     ('xla', 'adam')
   """
   with fused.recording() as log:
-    jax.eval_shape(lambda g, s, p: tx.update(g, s, p), grads, opt_state,
-                   params)
+    jax.eval_shape(lambda g, s, p, e: tx.update(g, s, p, **e), grads,
+                   opt_state, params, extra_args)
   return {choice.parameter: choice for choice in log}

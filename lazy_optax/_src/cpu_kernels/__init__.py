@@ -41,7 +41,7 @@ ENV_SWITCH = 'LAZY_OPTAX_CPU_KERNELS'
 # The rule kernels (rows.cc's LAZY_OPTAX_RULE), all called through `rule`.
 RULES = ('LazyOptaxAdam', 'LazyOptaxAmsgrad', 'LazyOptaxRowwiseAdagrad',
          'LazyOptaxPartialRowwiseAdam', 'LazyOptaxFtrl',
-         'LazyOptaxRowwiseRmspropAr')
+         'LazyOptaxRowwiseRmspropAr', 'LazyOptaxCowclip', 'LazyOptaxRowMaxNorm')
 TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
            'LazyOptaxScatter', 'LazyOptaxScatterAdd',
            'LazyOptaxAddStochastic', 'LazyOptaxIdAssign',

@@ -32,10 +32,12 @@
 //                           (FBGEMM's ROWWISE_RMSPROP_AR)
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -535,7 +537,9 @@ ffi::Error AddStochastic(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
 //                (the field names are exported, and Python's record must
 //                list the same ones in the same order);
 //   kPerRow      one bool per state table: one value per row (else per
-//                entry), in the order Python passes the tables;
+//                entry), in the order Python passes the tables (a rule
+//                without state, such as a clip, declares none: it reads the
+//                gradient and parameter rows and writes the update rows);
 //   kInt32       (optional) one bool per state table: an int32 table (a
 //                counter, `Row<I32>`: exact integers), else float32 or
 //                bfloat16;
@@ -623,13 +627,21 @@ inline float SumOfSquares(const float* __restrict__ x, int64_t w) {
   return sum;
 }
 
+// How many state tables `Rule` takes: its kPerRow's size, or none.
+template <typename Rule, typename = void>
+struct NumTables : std::integral_constant<size_t, 0> {};
+template <typename Rule>
+struct NumTables<Rule, std::void_t<decltype(Rule::kPerRow)>>
+    : std::integral_constant<size_t, sizeof(Rule::kPerRow) / sizeof(bool)> {};
+
 template <typename Rule, typename... S, size_t... I>
 void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
               int64_t rows, int64_t w, const typename Rule::Hyper& h,
               const float* g, const float* params, float* out,
               std::index_sequence<I...>, typename S::T*... tables) {
   // Values per table row: one (per row) or w (per entry).
-  const int64_t width[] = {(Rule::kPerRow[I] ? int64_t{1} : w)...};
+  const std::array<int64_t, sizeof...(I)> width = {
+      (Rule::kPerRow[I] ? int64_t{1} : w)...};
   const float inv_w = 1.0f / static_cast<float>(w);
   ParallelFor(pool, n, w, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
@@ -698,22 +710,26 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   if (ins.size() != kTables || outs.size() != kTables) {
     return fail("state tables (a wrong count)");
   }
-  ffi::DataType types[kTables];
-  void* data[kTables];
-  int64_t rows = -1;
-  for (size_t i = 0; i < kTables; ++i) {
-    auto in = ins.get<ffi::AnyBuffer>(i);
-    auto out = outs.get<ffi::AnyBuffer>(i);
-    if (!in.has_value() || !out.has_value()) return fail("state tables");
-    const Shape2 t = AsRows(in->dimensions());
-    if (rows < 0) rows = t.rows;
-    if (t.rows != rows ||
-        t.width != (Rule::kPerRow[i] ? int64_t{1} : gs.width) ||
-        (*out)->element_type() != in->element_type()) {
-      return fail("state table shapes");
+  std::array<ffi::DataType, kTables> types{};
+  std::array<void*, kTables> data{};
+  // A rule without state computes every slot: its unused slots hold zero
+  // gradient and parameter rows.
+  int64_t rows = kTables ? -1 : std::numeric_limits<int64_t>::max();
+  if constexpr (kTables > 0) {
+    for (size_t i = 0; i < kTables; ++i) {
+      auto in = ins.get<ffi::AnyBuffer>(i);
+      auto out = outs.get<ffi::AnyBuffer>(i);
+      if (!in.has_value() || !out.has_value()) return fail("state tables");
+      const Shape2 t = AsRows(in->dimensions());
+      if (rows < 0) rows = t.rows;
+      if (t.rows != rows ||
+          t.width != (Rule::kPerRow[i] ? int64_t{1} : gs.width) ||
+          (*out)->element_type() != in->element_type()) {
+        return fail("state table shapes");
+      }
+      types[i] = in->element_type();
+      data[i] = InPlace(*in, *out);
     }
-    types[i] = in->element_type();
-    data[i] = InPlace(*in, *out);
   }
   auto run = [&](auto... s) {
     RuleRows<Rule, decltype(s)...>(
@@ -722,7 +738,7 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
         static_cast<typename decltype(s)::T*>(data[I])...);
     return ffi::Error::Success();
   };
-  return WithStorages<Rule, kTables>(name, types, run);
+  return WithStorages<Rule, kTables>(name, types.data(), run);
 }
 
 // The FFI handler of `Rule` (see LAZY_OPTAX_RULE).
@@ -734,7 +750,7 @@ struct RuleKernel {
                          ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,
                          ffi::Result<ffi::Buffer<ffi::F32>> updates,
                          ffi::RemainingRets outs) {
-    constexpr size_t kTables = sizeof(Rule::kPerRow) / sizeof(bool);
+    constexpr size_t kTables = NumTables<Rule>::value;
     return RunRule<Rule>(name, pool, ids, g, hyper, params, ins, updates, outs,
                          std::make_index_sequence<kTables>());
   }
@@ -900,6 +916,44 @@ struct RowwiseRmspropArRule {
   }
 };
 
+// CowClip (Zheng et al., AAAI 2023), per row, on the gradient g' = g / c
+// (the caller divides by the row's count c and multiplies the result by c):
+//   t = max(coef ||w||, lower_bound);  update = g' min(1, t / ||g'||),
+// so that the summed gradient is clipped to c max(coef ||w||, lower_bound).
+#define COWCLIP_FIELDS(F) F(coef) F(lower_bound)
+
+struct CowclipRule {
+  LAZY_OPTAX_HYPER(COWCLIP_FIELDS)
+  __attribute__((always_inline)) static void Row(const Hyper& h,
+                                                 const RowIo& io) {
+    const float t = std::max(h.coef * std::sqrt(SumOfSquares(io.p, io.w)),
+                             h.lower_bound);
+    const float norm = std::sqrt(SumOfSquares(io.g, io.w));
+    const float scale = norm > t ? t / norm : 1.0f;
+    for (int64_t k = 0; k < io.w; ++k) io.u[k] = io.g[k] * scale;
+  }
+};
+
+// Row max-norm at update time (FBGEMM's max_norm), per row: the new row
+// w + u is scaled back to norm max_norm where it is longer;
+//   update = (w + u) min(1, max_norm / ||w + u||) - w.
+#define ROW_MAX_NORM_FIELDS(F) F(max_norm)
+
+struct RowMaxNormRule {
+  LAZY_OPTAX_HYPER(ROW_MAX_NORM_FIELDS)
+  __attribute__((always_inline)) static void Row(const Hyper& h,
+                                                 const RowIo& io) {
+    for (int64_t k = 0; k < io.w; ++k) io.u[k] = io.p[k] + io.g[k];
+    const float norm = std::sqrt(SumOfSquares(io.u, io.w));
+    if (!(norm > h.max_norm)) {
+      for (int64_t k = 0; k < io.w; ++k) io.u[k] = io.g[k];
+      return;
+    }
+    const float scale = h.max_norm / norm;
+    for (int64_t k = 0; k < io.w; ++k) io.u[k] = io.u[k] * scale - io.p[k];
+  }
+};
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxDedup, Dedup,
@@ -976,3 +1030,5 @@ LAZY_OPTAX_RULE(LazyOptaxRowwiseAdagrad, RowwiseAdagradRule)
 LAZY_OPTAX_RULE(LazyOptaxPartialRowwiseAdam, PartialRowwiseAdamRule)
 LAZY_OPTAX_RULE(LazyOptaxFtrl, FtrlRule)
 LAZY_OPTAX_RULE(LazyOptaxRowwiseRmspropAr, RowwiseRmspropArRule)
+LAZY_OPTAX_RULE(LazyOptaxCowclip, CowclipRule)
+LAZY_OPTAX_RULE(LazyOptaxRowMaxNorm, RowMaxNormRule)
