@@ -39,7 +39,7 @@ ENV_SWITCH = 'LAZY_OPTAX_CPU_KERNELS'
 # The rule kernels (rows.cc's LAZY_OPTAX_RULE), all called through `rule`.
 RULES = ('LazyOptaxAdam', 'LazyOptaxAmsgrad', 'LazyOptaxRowwiseAdagrad',
          'LazyOptaxPartialRowwiseAdam', 'LazyOptaxFtrl',
-         'LazyOptaxRowwiseRmspropAr')
+         'LazyOptaxRowwiseRmspropAr', 'LazyOptaxRowwiseAdagradWithCounter')
 TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
            'LazyOptaxScatter', 'LazyOptaxScatterAdd',
            'LazyOptaxAddStochastic') + RULES
