@@ -178,7 +178,7 @@ ROWWISE_ADAGRAD_WITH_COUNTER = Case(
                                'last_step': jnp.int32}, 3e-2),
             Dtypes(jnp.float32, dict(accumulator_dtype=_BF16),
                    {'sum_of_squares': _BF16}, 2e-2)),
-    rtol=2e-5, steps=16, impls=('generic', 'xla'))
+    rtol=2e-5, steps=16, impls=_ALL_IMPLS)
 
 ROWWISE_RMSPROP_AR = Case(
     'rowwise_rmsprop_ar', lazy_optax.rowwise_rmsprop_ar, 0.05,

@@ -245,6 +245,7 @@ def _rules_with_kernels():
   from lazy_optax._src import partial_rowwise_adam  # pylint: disable=g-import-not-at-top
   from lazy_optax._src import rowwise_adagrad  # pylint: disable=g-import-not-at-top
   from lazy_optax._src import rowwise_rmsprop_ar  # pylint: disable=g-import-not-at-top
+  from lazy_optax._src import rowwise_adagrad_with_counter as counter  # pylint: disable=g-import-not-at-top
   moments = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, count=3)
   return [
       (adam._adam_rule(False), moments),  # pylint: disable=protected-access
@@ -258,6 +259,11 @@ def _rules_with_kernels():
           min_shrinkage=0.1, eps=1e-8, step=jnp.int32(3))),
       (cowclip._rule(), dict(coef=1.0, lower_bound=1e-5)),  # pylint: disable=protected-access
       (row_max_norm._rule(), dict(max_norm=1.0)),  # pylint: disable=protected-access
+      (counter._rule(counter._Config(  # pylint: disable=protected-access
+          eps=1e-8, decay_mode='adagradw', halflife=-1, adjustment_iter=-1,
+          adjustment_ub=1.0, lr_mode='counter_sgd', tail_id_threshold=0.0,
+          threshold_is_ratio=False)),
+       dict(count=jnp.int32(3), lr=0.1, wd=0.1, max_counter=1.0)),
   ]
 
 

@@ -51,6 +51,10 @@ CONFIGS = {
         (lazy_optax.rowwise_rmsprop_ar(1e-2, ar_alpha=0.1), jnp.float32),
         (lazy_optax.rowwise_rmsprop_ar(1e-2, accumulator_dtype=BF16),
          jnp.float32)),
+    'rowwise_adagrad_with_counter': (
+        (lazy_optax.rowwise_adagrad_with_counter(1e-2), jnp.float32),
+        (lazy_optax.rowwise_adagrad_with_counter(
+            1e-2, accumulator_dtype=BF16), jnp.float32)),
     # optax.adagrad has no dtype option: its accumulator follows the table.
     'lazy(optax.adagrad)': (
         (lazy_optax.lazy(optax.adagrad(1e-2)), jnp.float32),
@@ -76,6 +80,8 @@ EXPECTED = {  # bytes per row at D = 64: (float32, bfloat16 moments)
     'partial_rowwise_adam': (260, 130),
     'rowwise_adagrad': (4, 2),
     'rowwise_rmsprop_ar': (8, 6),  # v (float32 or bfloat16), int32 prev_iter
+    # G (float32 or bfloat16), float32 row_counter, int32 last_step
+    'rowwise_adagrad_with_counter': (12, 10),
     'lazy(optax.adagrad)': (256, 128),
     'ftrl': (512, 256),
     'cowclip': (0, 0),

@@ -29,8 +29,8 @@ from typing import Any
 
 import optax
 
-import lazy_optax
 from benchmarks.experiments import ctr_stream
+import lazy_optax
 
 LR = 0.05
 

@@ -1,4 +1,4 @@
-"""`rowwise_adagrad_with_counter`'s step against `rowwise_adagrad`'s, and FBGEMM's.
+"""The counter rule's step against `rowwise_adagrad`'s, and FBGEMM's.
 
     python3 -m benchmarks.experiments.counter_step [--fbgemm PYTHON]
 
@@ -93,7 +93,8 @@ def make(counter):
       eps=1e-8, pooling_mode=ops.PoolingMode.NONE, device='cpu', **extra)
 tbes = {'fbgemm': make(False), 'fbgemm_counter': make(True)}
 offsets = torch.arange(n + 1, dtype=torch.int64)
-grad = torch.from_numpy(np.random.default_rng(0).normal(size=(n, d)).astype(np.float32))
+rng = np.random.default_rng(0)
+grad = torch.from_numpy(rng.normal(size=(n, d)).astype(np.float32))
 times = {k: [] for k in tbes}
 for k in range(repeats + 3):
   for name, tbe in tbes.items():
@@ -119,9 +120,9 @@ def _fbgemm_steps(python: str, v: int, d: int, n: int, tmp: str) -> dict:
 
 def _show(title: str, ms: dict) -> None:
   base = ms['rowwise_adagrad']
+  ratio = ms['with_counter'] / base
   print(f'{title}: ' + ', '.join(f'{k} {v:.2f} ms' for k, v in ms.items())
-        + f'; with_counter / rowwise_adagrad = {ms["with_counter"] / base:.2f}x',
-        flush=True)
+        + f'; with_counter / rowwise_adagrad = {ratio:.2f}x', flush=True)
 
 
 def main() -> None:

@@ -67,6 +67,29 @@ class RowwiseAdagradWithCounterState(NamedTuple):
   counter_peak: chex.Array  # float32 scalar, the largest counter stored
 
 
+class RowwiseAdagradCounterKernelHyper(NamedTuple):
+  """The kernel's hyperparameters: rows.cc's `ROWWISE_ADAGRAD_COUNTER_FIELDS`,
+  in order (`step` and `catch_up_cap` are its int32 fields)."""
+  lr: Any
+  eps: Any
+  wd: Any
+  log_rho: Any
+  halflife: Any
+  enabled: Any
+  adjustment_ub: Any
+  max_counter: Any
+  threshold: Any
+  decay_mode: Any
+  lr_mode: Any
+  step: Any
+  catch_up_cap: Any
+
+
+_DECAY_CODES = {'none': 0.0, 'l2': 1.0, 'decoupled': 2.0, 'adagradw': 3.0}
+_LR_CODES = {'equal': -1.0, 'tail_id_lr_increase': 0.0,
+             'tail_id_lr_decrease': 1.0, 'counter_sgd': 2.0}
+
+
 class _Config(NamedTuple):
   """The rule's configuration (FBGEMM's optimizer args). The modes are
   static; the numbers may be arrays (`optax.inject_hyperparams`)."""
@@ -80,10 +103,27 @@ class _Config(NamedTuple):
   threshold_is_ratio: Any
 
 
+def _log_rho(halflife: Any) -> jax.Array:
+  """`log(2) / halflife` in float32 (1 for a half-life that is not > 0)."""
+  h = jnp.asarray(halflife, jnp.float32)
+  return math.log(2.0) / jnp.where(h > 0, h, 1.0)
+
+
+def _threshold(cfg: _Config, max_counter: Any, dtype: Any) -> jax.Array:
+  threshold = jnp.asarray(cfg.tail_id_threshold, dtype)
+  return jnp.where(cfg.threshold_is_ratio,
+                   jnp.floor(threshold * max_counter), threshold)
+
+
+def _enabled(cfg: _Config, t: Any) -> jax.Array:
+  """FBGEMM's `adjustment_enabled`."""
+  return (cfg.adjustment_iter <= 0) | (t > cfg.adjustment_iter)
+
+
 def _new_counter(c: jax.Array, delta: jax.Array, halflife: Any) -> jax.Array:
   """The counter after one more appearance, `delta` steps after the last."""
   h = jnp.asarray(halflife, c.dtype)
-  decay = jnp.exp(-delta * (math.log(2.0) / jnp.where(h > 0, h, 1.0)))
+  decay = jnp.exp(-delta * _log_rho(halflife).astype(c.dtype))
   return jnp.where(h > 0, 1.0 + decay * c,
                    jnp.where(h == 0, jnp.ones_like(c), c + 1.0))
 
@@ -112,10 +152,7 @@ def _lr_adjusted(m, lr, c, max_counter, cfg: _Config, dtype):
     adj = m * jnp.clip(((c + 1.0) / max_counter) ** ub, 0.1, 1.0)
   else:  # counter_sgd
     adj = lr / (jnp.sqrt(ub * c) + jnp.asarray(cfg.eps, dtype))
-  threshold = jnp.asarray(cfg.tail_id_threshold, dtype)
-  threshold = jnp.where(cfg.threshold_is_ratio,
-                        jnp.floor(threshold * max_counter), threshold)
-  return jnp.where(c > threshold, adj, m)
+  return jnp.where(c > _threshold(cfg, max_counter, dtype), adj, m)
 
 
 def _multipliers(g, stored, params, hyper, old, cfg: _Config, dtype):
@@ -128,7 +165,7 @@ def _multipliers(g, stored, params, hyper, old, cfg: _Config, dtype):
   c = stored['row_counter'].astype(dtype)
   denom = jnp.sqrt(acc) + jnp.asarray(cfg.eps, dtype)
   m = lr / denom
-  enabled = (cfg.adjustment_iter <= 0) | (t > cfg.adjustment_iter)
+  enabled = _enabled(cfg, t)
   adj = jnp.where(enabled, _lr_adjusted(m, lr, c, max_counter, cfg, dtype),
                   m)
   one = jnp.ones_like(m)
@@ -182,10 +219,25 @@ def _rule(cfg: _Config) -> fused.RowRule:
       update = update + broadcast_rows(corr - 1.0, w) * w
     return update
 
+  def kernel_hyper(hyper):
+    t = hyper['count']
+    f32 = jnp.float32
+    return RowwiseAdagradCounterKernelHyper(
+        lr=hyper['lr'], eps=cfg.eps, wd=hyper['wd'],
+        log_rho=_log_rho(cfg.halflife), halflife=cfg.halflife,
+        enabled=_enabled(cfg, t).astype(f32),
+        adjustment_ub=cfg.adjustment_ub, max_counter=hyper['max_counter'],
+        threshold=_threshold(cfg, hyper['max_counter'], f32),
+        decay_mode=_DECAY_CODES[cfg.decay_mode],
+        lr_mode=_LR_CODES[cfg.lr_mode], step=t,
+        catch_up_cap=jnp.asarray(t - cfg.adjustment_iter, jnp.int32))
+
   return fused.RowRule(
       'rowwise_adagrad_with_counter', new_rows, step,
       ('sum_of_squares', 'row_counter', 'last_step'),
-      needs_params=needs_params, step_reads_old_rows=True)
+      'LazyOptaxRowwiseAdagradWithCounter', kernel_hyper,
+      needs_params=needs_params, step_reads_old_rows=True,
+      int_tables=('last_step',))
 
 
 def _check(learning_rate, eps, weight_decay, counter_weight_decay_mode,
@@ -330,7 +382,8 @@ def rowwise_adagrad_with_counter(
     max_counter_update_freq: every this many steps, `max_counter` becomes
       one plus the largest counter (`<= 0`: it stays 1).
     accumulator_dtype: dtype of `G` (default float32).
-    impl: `'auto'`, `'generic'` or `'xla'` (see `lazy_optax.kernel_status`).
+    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'` (see
+      `lazy_optax.kernel_status`).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state holds a

@@ -41,7 +41,8 @@ ENV_SWITCH = 'LAZY_OPTAX_CPU_KERNELS'
 # The rule kernels (rows.cc's LAZY_OPTAX_RULE), all called through `rule`.
 RULES = ('LazyOptaxAdam', 'LazyOptaxAmsgrad', 'LazyOptaxRowwiseAdagrad',
          'LazyOptaxPartialRowwiseAdam', 'LazyOptaxFtrl',
-         'LazyOptaxRowwiseRmspropAr', 'LazyOptaxCowclip', 'LazyOptaxRowMaxNorm')
+         'LazyOptaxRowwiseRmspropAr', 'LazyOptaxRowwiseAdagradWithCounter',
+         'LazyOptaxCowclip', 'LazyOptaxRowMaxNorm')
 TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
            'LazyOptaxScatter', 'LazyOptaxScatterAdd',
            'LazyOptaxAddStochastic', 'LazyOptaxIdAssign',

@@ -30,6 +30,10 @@
 //   LazyOptaxFtrl           FTRL-Proximal (TensorFlow's ApplyFtrlV2)
 //   LazyOptaxRowwiseRmspropAr  row-wise RMSprop with adaptive regularization
 //                           (FBGEMM's ROWWISE_RMSPROP_AR)
+//   LazyOptaxRowwiseAdagradWithCounter  row-wise Adagrad with per-row counters
+//                           (FBGEMM's COUNTER weight-decay mode, AdagradW)
+//   LazyOptaxCowclip        CowClip's clip of a row's gradient (no state)
+//   LazyOptaxRowMaxNorm     a written row kept within max_norm (no state)
 
 #include <algorithm>
 #include <array>
@@ -954,6 +958,90 @@ struct RowMaxNormRule {
   }
 };
 
+// Row-wise Adagrad with per-row counters (FBGEMM's EXACT_ROWWISE_ADAGRAD
+// with WeightDecayMode.COUNTER), per row, with `step` the global step (from
+// 1), `prev` the step of the row's last update (0: never) and
+// d = step - prev (1 if prev is 0):
+//   c = 1 + exp(-d log_rho) c (halflife > 0) | 1 (halflife 0) | c + 1
+//   g' = g + wd w (L2);  G += mean(g'^2);  m = lr / (sqrt(G) + eps)
+//   adj = m adjusted by the learning-rate mode (c > threshold), corr the
+//   decay (AdagradW: (1 - wd lr)^min(d, cap), adj times (1 - wd lr)^(.. - 1))
+//   update = (corr - 1) w - adj g;  prev = step
+// `enabled` (0 or 1) is FBGEMM's `iter > adjustment_iter`; the modes are
+// codes: decay_mode 0 none, 1 L2, 2 decoupled, 3 AdagradW; lr_mode -1
+// equal, 0 tail-id increase, 1 tail-id decrease, 2 counter SGD.
+#define ROWWISE_ADAGRAD_COUNTER_FIELDS(F)                                  \
+  F(lr) F(eps) F(wd) F(log_rho) F(halflife) F(enabled) F(adjustment_ub)   \
+  F(max_counter) F(threshold) F(decay_mode) F(lr_mode)                    \
+  LAZY_OPTAX_INT(F, step) LAZY_OPTAX_INT(F, catch_up_cap)
+
+struct RowwiseAdagradCounterRule {
+  LAZY_OPTAX_HYPER(ROWWISE_ADAGRAD_COUNTER_FIELDS)
+  // sum_of_squares, row_counter, last_step
+  static constexpr bool kPerRow[] = {true, true, true};
+  static constexpr bool kInt32[] = {false, false, true};
+
+  static float Counter(const Hyper& h, float c, float d) {
+    if (h.halflife > 0.0f) return 1.0f + std::exp(-d * h.log_rho) * c;
+    if (h.halflife == 0.0f) return 1.0f;
+    return c + 1.0f;
+  }
+
+  static float LrAdjusted(const Hyper& h, float m, float c) {
+    if (h.lr_mode < 0.0f || h.enabled == 0.0f || !(c > h.threshold)) return m;
+    if (h.lr_mode == 0.0f)
+      return m * std::min(std::max(std::pow(h.max_counter / (c + 1.0f),
+                                            h.adjustment_ub), 1.0f), 10.0f);
+    if (h.lr_mode == 1.0f)
+      return m * std::min(std::max(std::pow((c + 1.0f) / h.max_counter,
+                                            h.adjustment_ub), 0.1f), 1.0f);
+    return h.lr / (std::sqrt(h.adjustment_ub * c) + h.eps);
+  }
+
+  template <typename A, typename C, typename P>
+  __attribute__((always_inline)) static void Row(const Hyper& h,
+                                                 const RowIo& io, A acc,
+                                                 C counter, P last) {
+    const int64_t w = io.w;
+    const int32_t prev = last[0];
+    const float d = static_cast<float>(prev == 0 ? 1 : h.step - prev);
+    const float c = counter.Put(0, Counter(h, counter[0], d));
+    const float* g = io.g;
+    if (h.decay_mode == 1.0f) {  // L2: the decay joins the squared gradient
+      for (int64_t k = 0; k < w; ++k) io.u[k] = io.g[k] + h.wd * io.p[k];
+      g = io.u;
+    }
+    const float a = acc.Put(0, acc[0] + SumOfSquares(g, w) * io.inv_w);
+    const float denom = std::sqrt(a) + h.eps;
+    const float m = h.lr / denom;
+    float adj = LrAdjusted(h, m, c);
+    float corr = 1.0f;
+    if (h.enabled != 0.0f) {
+      if (h.decay_mode == 3.0f) {
+        if (h.halflife == -1.0f) adj = m * std::sqrt(c);
+        if (h.halflife == -2.0f)
+          adj = std::min(h.lr * c, h.adjustment_ub) / denom;
+        const float base = 1.0f - h.wd * h.lr;
+        const float k = std::min(d, static_cast<float>(h.catch_up_cap));
+        const float lazy = std::pow(base, k - 1.0f);
+        adj *= lazy;
+        corr = base * lazy;
+      } else if (h.decay_mode == 2.0f || h.decay_mode == 1.0f) {
+        const float freq = h.halflife / c;
+        corr = 1.0f - freq * h.wd * (h.decay_mode == 2.0f ? h.lr : m);
+      }
+    }
+    if (h.decay_mode == 0.0f) {  // the weights are not read (nor passed)
+      for (int64_t k = 0; k < w; ++k) io.u[k] = -adj * io.g[k];
+    } else {
+      const float keep = corr - 1.0f;
+      for (int64_t k = 0; k < w; ++k)
+        io.u[k] = -adj * io.g[k] + keep * io.p[k];
+    }
+    last.Put(0, h.step);
+  }
+};
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxDedup, Dedup,
@@ -1030,5 +1118,6 @@ LAZY_OPTAX_RULE(LazyOptaxRowwiseAdagrad, RowwiseAdagradRule)
 LAZY_OPTAX_RULE(LazyOptaxPartialRowwiseAdam, PartialRowwiseAdamRule)
 LAZY_OPTAX_RULE(LazyOptaxFtrl, FtrlRule)
 LAZY_OPTAX_RULE(LazyOptaxRowwiseRmspropAr, RowwiseRmspropArRule)
+LAZY_OPTAX_RULE(LazyOptaxRowwiseAdagradWithCounter, RowwiseAdagradCounterRule)
 LAZY_OPTAX_RULE(LazyOptaxCowclip, CowclipRule)
 LAZY_OPTAX_RULE(LazyOptaxRowMaxNorm, RowMaxNormRule)
