@@ -106,7 +106,7 @@ def _row_leaves(leaves: _Leaves, skip_zero_rows: bool,
     if isinstance(g, SparseRows):
       check_sparse_leaf(g, leaves.params[i], name)
       ids, values = distinct_rows(g, f'parameter {name}',
-                                  backends and backends.get(i))
+                                  backends.get(i) if backends else None)
       rows[i] = _RowLeaf(ids, None)
       row_grads[i] = values
     elif hasattr(g, 'dtype'):
@@ -140,7 +140,7 @@ def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
     if row.ids is not None:
       out[i] = SparseRows.from_unique(
           row.ids, out[i], leaves.grads[i].num_rows, distinct=True,
-          backend=backends and backends.get(i))
+          backend=backends.get(i) if backends else None)
     else:
       assert row.row_mask is not None
       out[i] = jnp.where(broadcast_rows(row.row_mask, out[i]), out[i],
@@ -257,8 +257,8 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
           plan.rules.get(pos, {}) if plan is not None else None, move))
     return block
 
-  row_state_tree = state_def.unflatten(
-      [at_rows(s, o) for s, o in zip(state_leaves, owners)])
+  row_state_tree = jax.tree.unflatten(
+      state_def, [at_rows(s, o) for s, o in zip(state_leaves, owners)])
   row_params = None
   if params is not None:
     row_params = leaves.treedef.unflatten(
@@ -278,7 +278,7 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
     return _put_back(old, new, rows[pos],
                      moves.get(pos) if moves is not None else None)
 
-  new_state = state_def.unflatten([
+  new_state = jax.tree.unflatten(state_def, [
       write_back(o, n, pos) for o, n, pos in zip(
           state_leaves, jax.tree.leaves(new_row_state), owners)])
   for pos, row in rows.items():
@@ -381,7 +381,8 @@ def lazy(
   def update_fn(updates, state, params=None, **extra_args):
     leaves = _flatten(updates, params)
     if not any(isinstance(g, SparseRows) for g in leaves.grads):
-      if not skip_zero_rows:
+      # Dense leaves only: checked, and row-lazy with skip_zero_rows.
+      if not _row_leaves(leaves, skip_zero_rows, None)[0]:
         return inner.update(updates, state, params, **extra_args)
       new_updates, new_state, _ = run(leaves, state, params, extra_args,
                                       None)

@@ -7,7 +7,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
-from lazy_optax._src import backend as _backend
+from lazy_optax._src import backend as backend_lib
 from lazy_optax._src import distinct as _distinct
 from lazy_optax._src import id_code
 from lazy_optax._src import row_ops
@@ -55,13 +55,13 @@ class _RowMoves:
   def __repr__(self) -> str:
     return f'_RowMoves({self.row_kernels})'
 
-  def backend(self) -> Optional[_backend.Backend]:
+  def backend(self) -> Optional[backend_lib.Backend]:
     if self.row_kernels is None:
       return None
-    return _backend.Backend(
+    return backend_lib.Backend(
         'cpu_kernel' if self.row_kernels else 'xla',
         "the table's decision, carried by its update", self.row_kernels,
-        _backend.Placement('one'))
+        backend_lib.Placement('one'))
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -106,15 +106,15 @@ class SparseRows(metaclass=_SparseRowsType):
 
   # Exactly one of `_ids` (distinct ids, of one built by the library) and
   # `_code` (the id code of one rebuilt from leaves by tree arithmetic, read
-  # back and checked where it is consumed) is set. `_backend` (not a leaf:
-  # lost when JAX rebuilds it) is the table's `Backend` of an update that
-  # `lazy(...)` made, for the scatter-add that applies it.
+  # back and checked where it is consumed) is set. `_backend` is the table's
+  # `Backend` of an update that `lazy(...)` made, for the scatter-add that
+  # applies it (its `row_kernels` travels in the aux data, `_RowMoves`).
   __slots__ = ('_ids', '_code', 'values', 'num_rows', '_backend')
   _ids: Optional[jax.Array]
   _code: Optional[jax.Array]
   values: jax.Array
   num_rows: int
-  _backend: Optional[_backend.Backend]
+  _backend: Optional[backend_lib.Backend]
 
   __array_ufunc__ = None  # numpy defers `ndarray + SparseRows` to __radd__
 
@@ -135,7 +135,7 @@ class SparseRows(metaclass=_SparseRowsType):
     self._fill(ids, None, values, num_rows)
 
   def _fill(self, ids: Any, code: Any, values: Any, num_rows: int,
-            backend: Optional[_backend.Backend] = None) -> None:
+            backend: Optional[backend_lib.Backend] = None) -> None:
     for name, value in zip(self.__slots__,
                            (ids, code, values, num_rows, backend)):
       object.__setattr__(self, name, value)
@@ -153,7 +153,7 @@ class SparseRows(metaclass=_SparseRowsType):
   @classmethod
   def from_unique(cls, ids: jax.Array, values: jax.Array, num_rows: int, *,
                   distinct: bool = False,
-                  backend: Optional[_backend.Backend] = None,
+                  backend: Optional[backend_lib.Backend] = None,
                   impl: str = 'auto') -> 'SparseRows':
     """A `SparseRows` of the library's own: no range checks (ids may hold
     `num_rows`, no row); repeated ids are summed, unless `distinct`.

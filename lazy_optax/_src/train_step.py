@@ -124,7 +124,7 @@ def _table_copies(hlo: str, tables: Sequence[tuple[str, Any]]
 
 def _copies(hlo: str) -> list[tuple[str, bool]]:
   """Each copy instruction, and whether it lies in a `lax.cond` branch."""
-  branches = set()
+  branches: set[str] = set()
   for part in hlo.split('branch_computations={')[1:]:
     branches.update(c.strip().lstrip('%')
                     for c in part.split('}', 1)[0].split(','))
