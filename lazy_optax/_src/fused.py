@@ -51,12 +51,11 @@ from lazy_optax._src import cpu_kernels
 from lazy_optax._src import row_ops
 from lazy_optax._src import validate
 from lazy_optax._src.backend import Backend
-from lazy_optax._src.backend import REGATHER_MIN_ROW_BYTES
+from lazy_optax._src.backend import REGATHER_MIN_ROW_BYTES  # noqa: F401
 from lazy_optax._src.backend import row_bytes as _row_bytes
 from lazy_optax._src.placement import Placement
 
 IMPLS = validate.IMPLS
-__all__ = ('REGATHER_MIN_ROW_BYTES',)  # re-exported for older imports
 
 
 class RowRule(NamedTuple):
