@@ -5,7 +5,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from lazy_optax._src import backend as backend_lib
 from lazy_optax._src import dedup
+from lazy_optax._src.placement import Placement
+
+_XLA = backend_lib.Backend('xla', 'test', False, Placement('one'))
 
 
 def _dense(ids, values, num_rows):
@@ -21,8 +25,9 @@ def _dense(ids, values, num_rows):
 @pytest.mark.parametrize('num_rows', [10, 2 ** 30])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize('n', [1, 7, 64, 3000])
-def test_unique_rows_matches_numpy(monkeypatch, method, num_rows, dtype, n):
-  monkeypatch.setattr(dedup, 'METHOD', method)
+def test_unique_rows_matches_numpy(method, num_rows, dtype, n):
+  # 'auto': the kernel where it runs; 'packed', 'search': XLA's ways.
+  backend = None if method == 'auto' else _XLA
   rng = np.random.default_rng(n)
   # Entries equal to num_rows stand for ids that touch no row.
   ids = rng.integers(0, min(num_rows, 50), n)
@@ -30,8 +35,9 @@ def test_unique_rows_matches_numpy(monkeypatch, method, num_rows, dtype, n):
   ids[1::7] = rng.integers(0, num_rows, len(ids[1::7]))
   ids = jnp.asarray(ids, jnp.int32)
   values = jnp.asarray(rng.normal(size=(n, 3)), dtype)
-  unique_ids, summed = jax.jit(dedup.unique_rows, static_argnums=2)(
-      ids, values, num_rows)
+  unique_ids, summed = jax.jit(
+      lambda i, v: dedup.unique_rows(i, v, num_rows, backend, method=method))(
+          ids, values)
   assert unique_ids.shape == (n,) and summed.shape == (n, 3)
   assert summed.dtype == dtype
   real = np.asarray(unique_ids) < num_rows

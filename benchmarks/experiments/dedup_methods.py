@@ -5,14 +5,17 @@
         --step dlrm_lazy
     python3 -m benchmarks.experiments.dedup_methods --methods search,packed
 
-`lazy_optax._src.dedup.METHOD` picks how each id finds its slot: 'packed'
-(one uint32 sort of `id << bits | position`, no loop), 'search' (sort +
-`searchsorted(method='scan')`) or 'auto' (packed up to 2,048 ids, the
-library's default). For each method the step (the target's `lazy_sparse`:
-1,000,000 x 64, 4,096 Zipf ids; or `harness/dlrm.py`'s 26-table `dlrm_lazy`) is
-traced and compiled once, then all methods are timed in turn, round after
-round, so that the two sides of each comparison are measured seconds apart.
-Prints trace and compile times and the median and minimum step times.
+XLA's deduplication finds each id's slot with 'packed' keys (one uint32 sort
+of `id << bits | position`, no loop), 'search' (sort +
+`searchsorted(method='scan')`) or 'auto' (packed up to
+`dedup.PACKED_MAX_IDS` = 2,048 ids, the library's default); this script
+switches that limit, and hides the C++ kernels (as the tests do) so that
+XLA's deduplication runs at all. For each method the step (the target's
+`lazy_sparse`: 1,000,000 x 64, 4,096 Zipf ids; or `harness/dlrm.py`'s
+26-table `dlrm_lazy`) is traced and compiled once, then all methods are
+timed in turn, round after round, so that the two sides of each comparison
+are measured seconds apart. Prints trace and compile times and the median
+and minimum step times.
 Pin with `taskset` for one thread.
 """
 
@@ -48,7 +51,12 @@ def main() -> None:
   parser.add_argument('--methods', default='search,packed')
   parser.add_argument('--rounds', type=int, default=8)
   args = parser.parse_args()
+  from lazy_optax._src import cpu_kernels  # pylint: disable=g-import-not-at-top
   from lazy_optax._src import dedup  # pylint: disable=g-import-not-at-top
+
+  default_max = dedup.PACKED_MAX_IDS
+  limits = {'packed': 2**31, 'search': 0, 'auto': default_max}
+  cpu_kernels.loaded = lambda: False  # XLA's deduplication, every method
 
   print(f'load average {os.getloadavg()[0]:.2f}, '
         f'{len(os.sched_getaffinity(0))} CPU(s)')
@@ -57,7 +65,7 @@ def main() -> None:
     box = {}
     batches = None
     for m in methods:
-      dedup.METHOD = m
+      dedup.PACKED_MAX_IDS = limits[m]
       step, params, state, batches = _setup(step_name)
       t0 = time.perf_counter()
       lowered = step.lower(params, state, batches[0])
@@ -67,7 +75,7 @@ def main() -> None:
       print(f'{step_name} {m}: trace {t1 - t0:.2f} s, compile {t2 - t1:.2f} s',
             flush=True)
       box[m] = [compiled, params, state]
-    dedup.METHOD = 'auto'
+    dedup.PACKED_MAX_IDS = default_max
     reps = 200 if step_name == 'target' else 40
     times: dict = {m: [] for m in methods}
     for _ in range(args.rounds):

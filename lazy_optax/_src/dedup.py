@@ -1,8 +1,9 @@
 """Deduplication of row ids: distinct ids and their summed values, in `N` slots.
 
-On one CPU device with the kernels loaded, `unique_rows` is the C++ kernel
-(`cpu_kernels.dedup`: a hash table, the distinct ids radix-sorted, sums in
-float32). Elsewhere XLA does it, and both of its ways of finding each id's
+Where the table's `backend.Backend` allows the row kernels (one CPU device,
+the kernels loaded, `impl=` not 'xla' or 'generic'), `unique_rows` is the C++
+kernel (`cpu_kernels.dedup`: a hash table, the distinct ids radix-sorted, sums
+in float32). Otherwise XLA does it, and both of its ways of finding each id's
 slot rest on a one-operand sort (on XLA CPU several times faster than
 sorting positions along, as `argsort` does):
 
@@ -27,12 +28,13 @@ tables of a model at once.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 from jax import lax
 import jax.numpy as jnp
 
+from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import row_ops
 
@@ -46,11 +48,11 @@ def _accumulation_dtype(dtype: Any) -> Any:
   return dtype
 
 
-# Which method `unique_rows` uses: 'auto' (the CPU kernel where it runs;
-# else packed keys for batches of at most `PACKED_MAX_IDS` ids when they fit
-# 32 bits, binary search otherwise), 'packed' or 'search' (XLA only, packed
-# keys where they fit); benchmarks switch it for A/B measurements.
-METHOD = 'auto'
+# XLA's way of finding slots (`unique_rows(method=...)`): 'auto' (packed
+# keys for batches of at most `PACKED_MAX_IDS` ids when they fit 32 bits,
+# binary search otherwise), 'packed' (packed keys where they fit) or
+# 'search'. Whether the kernel runs instead is the backend's decision.
+METHODS = ('auto', 'packed', 'search')
 PACKED_MAX_IDS = 2048
 
 
@@ -65,10 +67,12 @@ def packs(num_rows: int, n: int, id_dtype: Any) -> bool:
           and (num_rows + 1) << position_bits(n) <= 2 ** 32)
 
 
-def _use_packed(num_rows: int, n: int, id_dtype: Any) -> bool:
-  if METHOD == 'search' or not packs(num_rows, n, id_dtype):
+def _use_packed(num_rows: int, n: int, id_dtype: Any, method: str) -> bool:
+  if method not in METHODS:
+    raise ValueError(f'method must be one of {METHODS}, got {method!r}.')
+  if method == 'search' or not packs(num_rows, n, id_dtype):
     return False
-  return METHOD == 'packed' or n <= PACKED_MAX_IDS
+  return method == 'packed' or n <= PACKED_MAX_IDS
 
 
 def _slots_packed(ids: jax.Array, num_rows: int
@@ -107,10 +111,10 @@ def _slots_search(ids: jax.Array, num_rows: int
   return unique_ids, slot
 
 
-def _xla_unique_rows(ids: jax.Array, values: jax.Array, num_rows: int
-                     ) -> tuple[jax.Array, jax.Array]:
+def _xla_unique_rows(ids: jax.Array, values: jax.Array, num_rows: int,
+                     method: str = 'auto') -> tuple[jax.Array, jax.Array]:
   n = ids.shape[0]
-  if _use_packed(num_rows, n, ids.dtype):
+  if _use_packed(num_rows, n, ids.dtype, method):
     unique_ids, slot = _slots_packed(ids, num_rows)
   else:
     unique_ids, slot = _slots_search(ids, num_rows)
@@ -122,18 +126,22 @@ def _xla_unique_rows(ids: jax.Array, values: jax.Array, num_rows: int
   return unique_ids, jnp.where(keep, summed, jnp.zeros_like(summed))
 
 
-def unique_rows(ids: jax.Array, values: jax.Array, num_rows: int
-                ) -> tuple[jax.Array, jax.Array]:
+def unique_rows(ids: jax.Array, values: jax.Array, num_rows: int,
+                backend: Optional[_backend.Backend] = None, *,
+                method: str = 'auto') -> tuple[jax.Array, jax.Array]:
   """Sums the values of repeated ids into one slot per distinct id.
 
-  On one CPU device with the kernels loaded, a hash table in C++ does it
-  (`cpu_kernels.dedup`, the same slots and sums); elsewhere XLA's sort.
+  Where `backend` allows the row kernels, a hash table in C++ does it
+  (`cpu_kernels.dedup`, the same slots and sums); otherwise XLA's sort.
 
   Args:
     ids: integer vector `[N]` whose entries lie in `[0, num_rows]`; an entry
       `num_rows` touches no row (an out-of-range, damaged or empty id).
     values: `[N, *row_shape]`.
     num_rows: the table's row count.
+    backend: the table's `Backend` (None: `backend.for_array(values)`).
+    method: XLA's way of finding slots, one of `METHODS` (for A/B
+      measurements; the kernel, where it runs, ignores it).
 
   Returns:
     `(unique_ids, summed_values)` of shapes `[N]` and `[N, *row_shape]`:
@@ -142,17 +150,17 @@ def unique_rows(ids: jax.Array, values: jax.Array, num_rows: int
   """
   if ids.shape[0] == 0:
     return ids, values
-  if (METHOD == 'auto' and jnp.dtype(ids.dtype) == jnp.dtype(jnp.int32)
+  if (jnp.dtype(ids.dtype) == jnp.dtype(jnp.int32)
       and jnp.dtype(values.dtype) in cpu_kernels.STORAGE_DTYPES
-      and row_ops.on_one_cpu(values)):
+      and row_ops.kernels_for(values, backend)):
 
     def on_cpu(ids, values):
       return cpu_kernels.dedup(ids, values, num_rows)
 
     return jax.lax.platform_dependent(
         ids, values, cpu=on_cpu,
-        default=lambda i, v: _xla_unique_rows(i, v, num_rows))
-  return _xla_unique_rows(ids, values, num_rows)
+        default=lambda i, v: _xla_unique_rows(i, v, num_rows, method))
+  return _xla_unique_rows(ids, values, num_rows, method)
 
 
 def increasing(ids: jax.Array, num_rows: int) -> jax.Array:

@@ -12,12 +12,12 @@ rows read back from an id code that tree arithmetic may have reordered.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, TYPE_CHECKING
+from typing import NamedTuple, Optional, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 
-from lazy_optax._src import cpu_kernels
+from lazy_optax._src import backend as _backend
 from lazy_optax._src import dedup
 from lazy_optax._src import id_code
 from lazy_optax._src import sharding as _sharding
@@ -62,29 +62,41 @@ def _with_out_of_range(unique_ids: jax.Array, ids: jax.Array,
   return unique_ids.at[target].set(ids, mode='drop')
 
 
-def from_ids(ids: jax.Array, values: jax.Array,
-             num_rows: int) -> tuple[jax.Array, jax.Array]:
+def _row_kernels(values: jax.Array, impl: str) -> bool:
+  return _backend.for_array(values, impl).row_kernels
+
+
+def _as_backend(values: jax.Array, row_kernels: bool) -> _backend.Backend:
+  return _backend.Backend(
+      'cpu_kernel' if row_kernels else 'xla', 'where the gradient is built',
+      row_kernels, _backend.placement(values))
+
+
+def from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
+             impl: str = 'auto') -> tuple[jax.Array, jax.Array]:
   """Distinct ids and summed values of `(ids, values)`, in `N` slots.
 
-  Compiled once per input signature and per kernel availability (whether
-  the CPU kernels are loaded is part of the cache key, so a trace made
-  before they load, or with them hidden, is not reused after).
+  Compiled once per input signature and per backend (whether the C++
+  deduplication runs is part of the cache key, so a trace made before the
+  kernels load, or with them hidden, is not reused after).
 
   Args:
     ids: integer vector `[N]`, any values (out-of-range ones touch no row).
     values: `[N, *row_shape]`.
     num_rows: the table's row count.
+    impl: `'auto'` (the C++ deduplication where the row kernels may run),
+      `'xla'` or `'generic'` (XLA's only).
 
   Returns:
     `(ids, values)` of the same shapes and dtypes.
   """
-  return _from_ids(ids, values, num_rows, cpu_kernels.loaded())
+  return _from_ids(ids, values, num_rows, _row_kernels(values, impl))
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
-              kernels_loaded: bool) -> tuple[jax.Array, jax.Array]:
-  """`from_ids`, traced for one kernel availability (`kernels_loaded`)."""
+              row_kernels: bool) -> tuple[jax.Array, jax.Array]:
+  """`from_ids`, traced for one backend (`row_kernels`)."""
   # Refused before the sums below hide it.
   check_varying(ids, values, 'SparseRows')
   if ids.shape[0] == 0:
@@ -93,7 +105,8 @@ def _from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
   values = _sharding.replicate_if_explicit(values)
   outside = (ids < 0) | (ids > num_rows)
   safe = jnp.where(outside, jnp.asarray(num_rows, ids.dtype), ids)
-  unique_ids, summed = dedup.unique_rows(safe, values, num_rows)
+  unique_ids, summed = dedup.unique_rows(
+      safe, values, num_rows, _as_backend(values, row_kernels))
   # Only a batch with out-of-range ids pays for keeping them.
   unique_ids = jax.lax.cond(
       jnp.any(outside),
@@ -102,32 +115,33 @@ def _from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
   return unique_ids, summed
 
 
-def from_code(code: jax.Array, values: jax.Array,
-              num_rows: int) -> tuple[jax.Array, jax.Array]:
+def from_code(code: jax.Array, values: jax.Array, num_rows: int,
+              impl: str = 'auto') -> tuple[jax.Array, jax.Array]:
   """`from_ids` for rows held as an id code (a damaged code passes as it is).
 
   Args:
     code: the id code `[N, C]`.
     values: `[N, *row_shape]`.
     num_rows: the table's row count.
+    impl: as for `from_ids`.
 
   Returns:
     `(code, values)`: of the distinct rows when every entry is intact, else
     as given, so that the consumer still sees (and reports) the damage.
   """
-  return _from_code(code, values, num_rows, cpu_kernels.loaded())
+  return _from_code(code, values, num_rows, _row_kernels(values, impl))
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3))
 def _from_code(code: jax.Array, values: jax.Array, num_rows: int,
-               kernels_loaded: bool) -> tuple[jax.Array, jax.Array]:
-  """`from_code`, traced for one kernel availability (`kernels_loaded`)."""
+               row_kernels: bool) -> tuple[jax.Array, jax.Array]:
+  """`from_code`, traced for one backend (`row_kernels`)."""
   decoded = id_code.decode(code, id_code.index_dtype(num_rows))
   emptied = decoded.empty & rows_nonzero(values)
   ok = jnp.all((decoded.intact | decoded.empty) & ~emptied)
   ids = jnp.where(decoded.intact, decoded.ids,
                   jnp.asarray(num_rows, decoded.ids.dtype))
-  unique_ids, summed = _from_ids(ids, values, num_rows, kernels_loaded)
+  unique_ids, summed = _from_ids(ids, values, num_rows, row_kernels)
   return (jnp.where(ok, id_code.encode(unique_ids), code),
           jnp.where(ok, summed, values))
 
@@ -159,7 +173,9 @@ def prepare(grad: SparseRows, where: str) -> tuple[jax.Array, jax.Array, int]:
   return ids, values, grad.num_rows
 
 
-def distinct_rows(grad: SparseRows, where: str) -> tuple[jax.Array, jax.Array]:
+def distinct_rows(grad: SparseRows, where: str,
+                  backend: Optional[_backend.Backend] = None
+                  ) -> tuple[jax.Array, jax.Array]:
   """A `SparseRows`'s distinct ids and summed values, checked.
 
   Its rows are distinct already; only rows read back from an id code are
@@ -169,6 +185,8 @@ def distinct_rows(grad: SparseRows, where: str) -> tuple[jax.Array, jax.Array]:
   Args:
     grad: a `SparseRows`.
     where: what `grad` is, for messages.
+    backend: the table's `Backend`, for the fallback's deduplication (None:
+      the gradient's own, or `backend.for_array`).
 
   Returns:
     `(ids, values)`: ids `[N]` distinct or `num_rows`, values zero in the
@@ -185,8 +203,8 @@ def distinct_rows(grad: SparseRows, where: str) -> tuple[jax.Array, jax.Array]:
   if grad.has_trusted_ids:  # built here: distinct, unused slots hold zeros
     return ids, values
   return jax.lax.cond(dedup.increasing(ids, num_rows), as_they_are,
-                      lambda i, v: dedup.unique_rows(i, v, num_rows), ids,
-                      values)
+                      lambda i, v: dedup.unique_rows(i, v, num_rows, backend),
+                      ids, values)
 
 
 def deduplicate(grad: SparseRows, where: str | None = None) -> UniqueRows:
@@ -213,4 +231,6 @@ def deduplicate(grad: SparseRows, where: str | None = None) -> UniqueRows:
     >>> u.ids, u.values[:, 0]
     (Array([1, 3, 5], dtype=int32), Array([1., 2., 0.], dtype=float32))
   """
-  return UniqueRows(*distinct_rows(grad, where or 'a SparseRows'))
+  return UniqueRows(*distinct_rows(
+      grad, where or 'a SparseRows',
+      grad._backend))  # pylint: disable=protected-access

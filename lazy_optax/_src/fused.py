@@ -1,4 +1,4 @@
-"""Fused row updates: how a rule updates its state rows, chosen per leaf.
+"""Fused row updates: how a rule updates its state rows, on its table's backend.
 
 `lazy(tx)` owns the row-sparse path of every leaf: it flattens the gradient,
 validates and deduplicates the ids, finds the state leaves that mirror each
@@ -7,10 +7,11 @@ the new rows back. That generic path works for any optax transformation.
 
 A rule written as a `RowRule` (lazy_optax's own optimizers are) can do the
 row update better, and `lazy(...)` lets it: while `tx.update` runs, `lazy`
-keeps a `RowContext` that maps each gathered row block to its full table and
-the distinct ids. The rule's `update` (`apply_rule`) looks its state leaves
-up there; where every state leaf of a gradient leaf is such a row block, it
-updates the tables itself with one of these implementations, chosen per leaf:
+keeps a `RowContext` that maps each gathered row block to a `Block`: its
+full table, the distinct ids and the table's `backend.Backend`, which
+`lazy` decided once for the table (`lazy.py`). The rule's `update`
+(`apply_rule`) looks its state leaves up there and runs the backend's
+implementation:
 
 - `'generic'`: the rule's arithmetic on the row blocks; `lazy` writes them
   back (what any optax transformation gets);
@@ -18,23 +19,23 @@ updates the tables itself with one of these implementations, chosen per leaf:
   step computed from the rows read back, so that XLA reads each state row
   once (faster for rows of 128 bytes or more);
 - `'cpu_kernel'`: the rule's C++ kernel updates the tables in place and
-  returns the step (one pass over the touched rows). On a mesh with Explicit
-  axes whose rows are split, each device runs it on its own rows inside
-  `jax.shard_map`. Lowered for another platform, the step takes `'xla'`.
+  returns the step (one pass over the touched rows). On a mesh with
+  Explicit axes whose rows are split, each device runs it on its own rows
+  inside `jax.shard_map`. Lowered for another platform, the step takes
+  `'xla'`.
 
-The rule hands the new tables back to `lazy` through the context, so no code
-reads a chain's state by position, and every composition that reaches the
-rule's `update` with `lazy`'s row blocks (a chain, `inject_hyperparams`,
-`partition`, `masked`, an outer `lazy`) gets the same fused path. Where the
-row blocks do not arrive as `lazy` gathered them, the rule computes on
+To decide, `lazy` first traces `tx.update` abstractly with a *probe*
+context (blocks without a backend): each rule reports what it asks for (its
+`impl=`, and why its kernel cannot take these operands, if so), and `lazy`
+sees whether the tables the rule writes come back to it (they do not when
+a wrapper rebuilds the state, as `optax.apply_if_finite`'s `lax.cond`
+does: that rule then gets `'generic'`, so that no kernel writes a copy of
+the table inside the branch). The rule hands the new tables back to `lazy`
+through the context, so no code reads a chain's state by position. Where
+the row blocks do not arrive as `lazy` gathered them, the rule computes on
 whatever it is given and `lazy` writes the rows back: correct, generic.
-
-`impl='auto'` picks `'cpu_kernel'` when the kernels are loaded, the rule has
-one, the dtypes are ones it stores (float32, bfloat16; int32 for counters),
-the ids are int32 and the table lives on one device or on an Explicit mesh;
-otherwise `'xla'` for rows of at least `REGATHER_MIN_ROW_BYTES`, else
-`'generic'`.
-`explain_update` tells which one each leaf gets, and why.
+`explain_update` reports each table's decision, as the compiled step runs
+it.
 """
 
 from __future__ import annotations
@@ -48,15 +49,14 @@ import jax.numpy as jnp
 
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import row_ops
+from lazy_optax._src import validate
+from lazy_optax._src.backend import Backend
+from lazy_optax._src.backend import REGATHER_MIN_ROW_BYTES  # noqa: F401
+from lazy_optax._src.backend import row_bytes as _row_bytes
 from lazy_optax._src.placement import Placement
 from lazy_optax._src.placement import placement
 
-IMPLS = ('auto', 'generic', 'xla', 'cpu_kernel')
-
-# Measured on lazy_adam steps with 1,000,000-row float32 tables and 4,096
-# ids, 1 thread (XLA path): rows of 64 floats 1.03 vs 1.60 ms with the rows
-# read back, 32 floats 0.53 vs 0.59 ms, 16 floats 0.42 vs 0.33 ms (slower).
-REGATHER_MIN_ROW_BYTES = 128
+IMPLS = validate.IMPLS
 
 
 class RowRule(NamedTuple):
@@ -101,10 +101,21 @@ class RowRule(NamedTuple):
 
 
 class Block(NamedTuple):
-  """A row block that `lazy` gathered: where it came from."""
+  """A row block that `lazy` gathered: where it came from, how to update it."""
   table: jax.Array  # the full state (or parameter) leaf
   ids: jax.Array    # the distinct ids, unused slots `num_rows`
   name: str         # the parameter's path name, for messages
+  # The decisions `lazy` made for this table, per rule name (None while
+  # `lazy` probes what the rules ask for), and the table's own (row moves).
+  backends: Optional[dict[str, Backend]] = None
+  table_backend: Optional[Backend] = None
+
+
+class Request(NamedTuple):
+  """What a rule asks for one table, reported to `lazy` while it probes."""
+  rule: str
+  impl: str      # the rule's `impl=`
+  refusal: str   # why its kernel cannot take these operands ('' if it can)
 
 
 class Choice(NamedTuple):
@@ -120,8 +131,11 @@ class RowContext:
 
   def __init__(self) -> None:
     self._blocks: dict[int, tuple[Any, Block]] = {}
-    self._written: dict[int, tuple[Any, jax.Array]] = {}
+    self._written: dict[int, tuple[Any, jax.Array, str]] = {}
+    self._taken: set[int] = set()  # written tables `lazy` took back
     self.chosen: set[str] = set()  # parameters a rule recorded a choice for
+    self.choices: list[Choice] = []
+    self.requests: dict[str, list[Request]] = {}  # by parameter, probing
 
   def register(self, rows: Any, block: Block) -> None:
     self._blocks[id(rows)] = (rows, block)
@@ -130,13 +144,26 @@ class RowContext:
     entry = self._blocks.get(id(rows))
     return entry[1] if entry is not None and entry[0] is rows else None
 
-  def wrote(self, rows: Any, table: jax.Array) -> None:
+  def wrote(self, rows: Any, table: jax.Array, name: str = '') -> None:
     """The rule wrote `table` whole; `rows` is its row block, read back."""
-    self._written[id(rows)] = (rows, table)
+    self._written[id(rows)] = (rows, table, name)
 
   def written(self, rows: Any) -> Optional[jax.Array]:
+    """The table whose row block `rows` is, if a rule wrote it (and marks
+    it taken)."""
     entry = self._written.get(id(rows))
-    return entry[1] if entry is not None and entry[0] is rows else None
+    if entry is None or entry[0] is not rows:
+      return None
+    self._taken.add(id(rows))
+    return entry[1]
+
+  def lost(self) -> set[str]:
+    """Parameters whose written tables did not come back to `lazy`."""
+    return {name for key, (_, _, name) in self._written.items()
+            if key not in self._taken}
+
+  def request(self, name: str, request: Request) -> None:
+    self.requests.setdefault(name, []).append(request)
 
 
 class _Stacks(threading.local):
@@ -178,47 +205,29 @@ def _find(rows: Any) -> Optional[tuple[RowContext, Block]]:
 
 
 def record(choice: Choice, context: Optional[RowContext] = None) -> None:
-  """Logs `choice` for `explain_update` (and marks it made in `context`)."""
+  """Logs `choice` for `explain_update` (kept in `context` when given, which
+  `lazy` publishes once its update is traced)."""
   if context is not None:
     context.chosen.add(choice.parameter)
+    context.choices.append(choice)
+    return
+  publish([choice])
+
+
+def publish(choices: list[Choice]) -> None:
+  """Hands `choices` to every `recording()` block around the call."""
   for log in _stacks.logs:
-    log.append(choice)
+    log.extend(choices)
 
 
-def _row_bytes(x: jax.Array) -> int:
-  size = jnp.dtype(x.dtype).itemsize
-  for d in x.shape[1:]:
-    size *= d
-  return size
-
-
-def _kernel_refusal(rule: RowRule, g: Any, blocks: dict[str, Block],
-                    where: Placement) -> str:
-  """Why the CPU kernel cannot update this leaf ('' when it can)."""
+def _rule_refusal(rule: RowRule, g: Any, blocks: dict[str, Block]) -> str:
+  """Why the rule's CPU kernel cannot take these operands ('' if it can);
+  where the table lives is `lazy`'s to judge (`backend.decide`)."""
   if rule.kernel is None:
     return f'{rule.name} has no CPU kernel'
-  status = cpu_kernels.status()
-  if status is None:
-    return ('the CPU kernels are not loaded yet: they load at the first '
-            'init on concrete parameters, or with lazy_optax.kernel_status()')
-  if not status.loaded:
-    return f'the CPU kernels are unavailable: {status.detail}'
-  if where.platform not in (None, 'cpu'):
-    return f'the table lives on {where.platform}'
-  if where.kind == 'auto':
-    return ('the table lives on several devices with Auto axes, whose row '
-            'split a trace cannot see (use Explicit axes)')
-  if where.split_within_rows:
-    return 'the table is split within its rows (only row splits run per shard)'
-  if where.kind == 'explicit' and not rule.tables:
+  if not rule.tables and placement(
+      next(iter(blocks.values())).table).kind == 'explicit':
     return 'a rule without state runs its kernel on one device only'
-  if where.kind == 'explicit' and where.row_axes:
-    shards = 1
-    for axis in where.row_axes:
-      shards *= where.mesh.shape[axis]
-    rows = next(iter(blocks.values())).table.shape[0]
-    if rows % shards:
-      return f'{rows} rows do not split evenly over {shards} devices'
   for name, block in blocks.items():
     dtype = jnp.dtype(block.table.dtype)
     if name in rule.int_tables:
@@ -233,27 +242,6 @@ def _kernel_refusal(rule: RowRule, g: Any, blocks: dict[str, Block],
   if jnp.dtype(ids.dtype) != jnp.dtype(jnp.int32):
     return 'the table needs 64-bit ids'
   return ''
-
-
-def _choose(rule: RowRule, impl: str, g: Any,
-            blocks: dict[str, Block]) -> tuple[str, str]:
-  if impl in ('generic', 'xla'):
-    return impl, f"impl='{impl}' was asked for"
-  where = placement(next(iter(blocks.values())).table)
-  refusal = _kernel_refusal(rule, g, blocks, where)
-  if impl == 'cpu_kernel':
-    if refusal:
-      raise ValueError(
-          f"{rule.name}(impl='cpu_kernel') cannot update parameter "
-          f"{next(iter(blocks.values())).name}: {refusal}. Use impl='auto'.")
-    return 'cpu_kernel', "impl='cpu_kernel' was asked for"
-  if not refusal:
-    return 'cpu_kernel', ('the CPU kernel updates the rows in place (on '
-                          'another platform, the xla path)')
-  if where.kind in ('one', 'explicit') and (
-      _row_bytes(g) >= REGATHER_MIN_ROW_BYTES and not where.row_axes):
-    return 'xla', f'no CPU kernel: {refusal}'
-  return 'generic', f'no CPU kernel: {refusal}'
 
 
 def _step(rule: RowRule, g: Any, stored: dict[str, Any], params: Any,
@@ -272,23 +260,25 @@ def _dense(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
 
 def _xla_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
                 ids: jax.Array, params: Any, hyper: Any, *, reread: bool,
-                rows: Optional[dict[str, Any]] = None
+                rows: Optional[dict[str, Any]] = None,
+                backend: Optional[Backend] = None
                 ) -> tuple[dict[str, jax.Array], jax.Array]:
   """The new tables (rows written by XLA) and the step."""
   if rows is None:
-    rows = {k: row_ops.gather(t, ids) for k, t in tables.items()}
+    rows = {k: row_ops.gather(t, ids, backend) for k, t in tables.items()}
   new = rule.new_rows(g, rows, params, hyper)
   stored = {k: new[k].astype(rows[k].dtype) for k in rows}
-  out = {k: row_ops.put(tables[k], ids, stored[k]) for k in tables}
+  out = {k: row_ops.put(tables[k], ids, stored[k], backend) for k in tables}
   if reread:
-    stored = {k: row_ops.gather(out[k], ids) for k in out}
+    stored = {k: row_ops.gather(out[k], ids, backend) for k in out}
   return out, _step(rule, g, stored, params, hyper, rows).astype(g.dtype)
 
 
 def _kernel_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
                    ids: jax.Array, params: Any, hyper: Any,
-                   where: Placement) -> tuple[dict[str, jax.Array], jax.Array]:
+                   backend: Backend) -> tuple[dict[str, jax.Array], jax.Array]:
   assert rule.kernel is not None and rule.kernel_hyper is not None
+  where = backend.where
   target = rule.kernel
   names = list(rule.tables)
   if sorted(names) != sorted(tables):
@@ -308,7 +298,8 @@ def _kernel_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
     del h
     new, u = _xla_tables(rule, g, dict(zip(names, ts)), ids,
                          p if rule.needs_params else params, hyper,
-                         reread=_row_bytes(g) >= REGATHER_MIN_ROW_BYTES)
+                         reread=_row_bytes(g) >= REGATHER_MIN_ROW_BYTES,
+                         backend=backend)
     return tuple(new[k] for k in names), u.astype(jnp.float32)
 
   new, u = jax.lax.platform_dependent(
@@ -341,9 +332,9 @@ def _per_shard(kernel: Callable[..., Any], where: Placement,
       out_specs=((table_spec,) * num_tables, P()))
 
 
-def _located(rule: RowRule, rows: dict[str, Any], params: Any
-             ) -> Optional[tuple[RowContext, dict[str, Block]]]:
-  """The context and blocks of a leaf's row blocks, if `lazy` gathered all.
+def _lazy_blocks(rule: RowRule, rows: dict[str, Any], params: Any
+                 ) -> Optional[tuple[RowContext, dict[str, Block]]]:
+  """The context and blocks of `rows` if all are `lazy`'s, of one table.
 
   A rule without state (a clip) is located by its parameter rows.
   """
@@ -356,6 +347,7 @@ def _located(rule: RowRule, rows: dict[str, Any], params: Any
   found = [_find(v) for v in rows.values()]
   if any(f is None for f in found):
     return None
+  context = found[0][0]  # type: ignore[index]
   blocks = {k: f[1] for k, f in zip(rows, found)}  # type: ignore[index]
   ids = next(iter(blocks.values())).ids
   if any(b.ids is not ids for b in blocks.values()):
@@ -363,7 +355,7 @@ def _located(rule: RowRule, rows: dict[str, Any], params: Any
   if rule.needs_params and (param_block is None
                             or param_block[1].ids is not ids):
     return None
-  return found[0][0], blocks  # type: ignore[index]
+  return context, blocks
 
 
 def block_of(rows: Any) -> Optional[Block]:
@@ -372,31 +364,47 @@ def block_of(rows: Any) -> Optional[Block]:
   return None if found is None else found[1]
 
 
+def _decided(rule: RowRule, g: Any, impl: str, context: RowContext,
+             block: Block, blocks: dict[str, Block]) -> Backend:
+  """The backend `lazy` decided for this rule's table (or, while it probes,
+  the request reported and a stand-in that writes the tables)."""
+  if block.backends is None:  # probing: report, and write as 'xla' would
+    context.request(block.name, Request(rule.name, impl,
+                                        _rule_refusal(rule, g, blocks)))
+    kind = 'generic' if impl == 'generic' else 'xla'
+    return Backend(kind, 'probe', False, Placement('one'))
+  backend = block.backends.get(rule.name)
+  if backend is None:  # a rule `lazy` did not see while probing
+    backend = Backend('generic', f'{rule.name} was not seen when lazy(...) '
+                      'decided this table', False, Placement('one'))
+  record(Choice(block.name, rule.name, backend.kind, backend.reason),
+         context)
+  return backend
+
+
 def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
               hyper: Any, impl: str) -> tuple[Any, dict[str, Any]]:
-  located = _located(rule, rows, params)
-  if located is None:
+  found = _lazy_blocks(rule, rows, params)
+  if found is None:
     return _dense(rule, g, rows, params, hyper)
-  context, blocks = located
-  ids = next(iter(blocks.values())).ids
-  name = next(iter(blocks.values())).name
-  choice, reason = _choose(rule, impl, g, blocks)
-  record(Choice(name, rule.name, choice, reason), context)
-  if choice == 'generic':
+  context, blocks = found
+  block = next(iter(blocks.values()))
+  backend = _decided(rule, g, impl, context, block, blocks)
+  if backend.kind == 'generic':
     return _dense(rule, g, rows, params, hyper)
   tables = {k: b.table for k, b in blocks.items() if k in rows}
-  if choice == 'xla':
-    new, u = _xla_tables(rule, g, tables, ids, params, hyper, reread=True,
-                         rows=rows)
+  if backend.kind == 'xla':
+    new, u = _xla_tables(rule, g, tables, block.ids, params, hyper,
+                         reread=True, rows=rows, backend=backend)
   else:
-    new, u = _kernel_tables(rule, g, tables, ids, params, hyper,
-                            placement(next(iter(blocks.values())).table))
+    new, u = _kernel_tables(rule, g, tables, block.ids, params, hyper,
+                            backend)
   # Hand the tables to `lazy`; the rows read back stand for them in the
   # state `tx` returns (correct rows even where `lazy` cannot find them).
   stored = {}
   for k, table in new.items():
-    stored[k] = row_ops.gather(table, ids)
-    context.wrote(stored[k], table)
+    stored[k] = row_ops.gather(table, block.ids, backend)
+    context.wrote(stored[k], table, block.name)
   return u, stored
 
 
@@ -443,5 +451,4 @@ def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],
 
 def check_impl(impl: str, where: str) -> None:
   """`impl` must be one of `IMPLS`."""
-  if impl not in IMPLS:
-    raise ValueError(f'{where}: impl must be one of {IMPLS}, got {impl!r}.')
+  validate.impl_argument(impl, where)

@@ -38,8 +38,10 @@ from typing import Any, Callable, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import backend as _backend
 from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
+from lazy_optax._src import validate
 from lazy_optax._src.id_code import index_dtype
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.paths import path_name
@@ -92,8 +94,9 @@ class _Differentiate(Recorder):
   """Step 3: adds the perturbations and records the ids of the gradient."""
 
   def __init__(self, tables: dict[int, Any], names: Sequence[str],
-               perturbations: dict[int, list[Any]]):
+               perturbations: dict[int, list[Any]], impl: str = 'auto'):
     super().__init__(tables, names)
+    self.impl = impl  # the row reads' backend (`backend.for_array`)
     self.pending = {pos: list(p) for pos, p in perturbations.items()}
     self.ids: dict[int, list[jax.Array]] = {}
     self.reads: dict[int, list[jax.Array]] = {}  # the rows looked up
@@ -103,7 +106,7 @@ class _Differentiate(Recorder):
     if pos is None:
       return None
     rows = read_rows(jax.lax.stop_gradient(table), ids, dtype,
-                     constant=True)
+                     constant=True, impl=self.impl)
     pending = self.pending[pos]
     if not pending or pending[0].shape != rows.shape:
       raise ValueError(
@@ -224,12 +227,12 @@ def _classify(probe: _Probe, unused: list[bool], params: _Params,
 
 
 def _sparse_rows(ids: jax.Array, values: jax.Array,
-                 num_rows: int) -> SparseRows:
+                 num_rows: int, impl: str) -> SparseRows:
   """The `SparseRows` gradient; slots may name `num_rows` (padding: no row).
 
   Repeated ids are summed here, where the gradient is built.
   """
-  return SparseRows.from_unique(ids, values, num_rows)
+  return SparseRows.from_unique(ids, values, num_rows, impl=impl)
 
 
 def _zeros(struct: jax.ShapeDtypeStruct, axes: tuple[Any, ...]) -> jax.Array:
@@ -243,7 +246,8 @@ def _zeros(struct: jax.ShapeDtypeStruct, axes: tuple[Any, ...]) -> jax.Array:
 
 
 def _differentiate(call: Callable[..., Any], params: _Params,
-                   sparse: list[int], probe: _Probe) -> tuple[Any, Any, Any]:
+                   sparse: list[int], probe: _Probe,
+                   impl: str) -> tuple[Any, Any, Any]:
   """Step 3: loss, aux and gradients, row-sparse for the `sparse` tables."""
   dense = [i for i in range(len(params.leaves)) if i not in sparse]
   # Inside `jax.shard_map` the perturbations vary over the mesh axes that
@@ -256,7 +260,7 @@ def _differentiate(call: Callable[..., Any], params: _Params,
 
   def grad_fn(dense_values, perturbations):
     recorder = _Differentiate({i: params.leaves[i] for i in sparse},
-                              params.names, perturbations)
+                              params.names, perturbations, impl)
     with recording(recorder):
       loss, aux = call(params.with_values(dense, dense_values))
     for i in sparse:
@@ -283,9 +287,10 @@ def _differentiate(call: Callable[..., Any], params: _Params,
     # then nothing orders the lookup before the table's in-place update: XLA
     # would copy the whole donated table every step. The gradient waits for
     # the rows read (free at run time).
-    values = row_ops.after(values, *reads[i])
+    values = row_ops.after(values, *reads[i],
+                           backend=_backend.for_array(values, impl))
     grads[i] = _sparse_rows(ids[i], values.astype(table.dtype),
-                            jnp.shape(table)[0])
+                            jnp.shape(table)[0], impl)
   return loss, aux, jax.tree_util.tree_unflatten(params.treedef, grads)
 
 
@@ -294,6 +299,7 @@ def value_and_grad(
     *,
     has_aux: bool = False,
     tables: Optional[Sequence[str]] = None,
+    impl: str = 'auto',
 ) -> Callable[..., Any]:
   """Like `jax.value_and_grad`, with row-sparse gradients for looked-up tables.
 
@@ -326,6 +332,10 @@ def value_and_grad(
       get dense gradients even when looked up. A named table that `fun` never
       passes to `lookup`, or also uses densely, is an error. By default every
       looked-up table that is used only through lookups is row-sparse.
+    impl: how the rows are read and the gradient's repeated ids summed:
+      `'auto'` (the C++ kernels where a table lives on one CPU device and
+      they are loaded) or `'xla'` (XLA only, no C++ call: pair it with an
+      optimizer's `impl='xla'` for a step without one).
 
   Returns:
     A function with `fun`'s signature returning `(loss, grads)`, or
@@ -348,6 +358,7 @@ def value_and_grad(
   """
   if not callable(fun):
     raise TypeError(f'value_and_grad: fun must be callable, got {fun!r}.')
+  validate.impl_argument(impl, 'value_and_grad')
   if isinstance(tables, str):
     tables = (tables,)
   wanted = None if tables is None else tuple(tables)
@@ -374,7 +385,7 @@ def value_and_grad(
             f'dimension is named {w!r}; parameters: {flat.names}.')
     probe, unused = _probe(call, flat, candidates)
     sparse = _classify(probe, unused, flat, candidates, wanted is not None)
-    loss, aux, grads = _differentiate(call, flat, sparse, probe)
+    loss, aux, grads = _differentiate(call, flat, sparse, probe, impl)
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
   return wrapped

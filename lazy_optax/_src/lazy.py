@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import fused
 from lazy_optax._src import row_ops
@@ -95,7 +96,8 @@ def _touched_rows(grad: jax.Array) -> jax.Array:
   return jnp.any(grad != 0, axis=tuple(range(1, grad.ndim)))
 
 
-def _row_leaves(leaves: _Leaves, skip_zero_rows: bool
+def _row_leaves(leaves: _Leaves, skip_zero_rows: bool,
+                backends: Optional[dict[int, _backend.Backend]]
                 ) -> tuple[dict[int, _RowLeaf], list[Any]]:
   """Which leaves are updated row by row, and the gradients `tx` sees."""
   rows: dict[int, _RowLeaf] = {}
@@ -103,7 +105,8 @@ def _row_leaves(leaves: _Leaves, skip_zero_rows: bool
   for i, (g, name) in enumerate(zip(leaves.grads, leaves.names)):
     if isinstance(g, SparseRows):
       check_sparse_leaf(g, leaves.params[i], name)
-      ids, values = distinct_rows(g, f'parameter {name}')
+      ids, values = distinct_rows(g, f'parameter {name}',
+                                  backends.get(i) if backends else None)
       rows[i] = _RowLeaf(ids, None)
       row_grads[i] = values
     elif hasattr(g, 'dtype'):
@@ -113,27 +116,31 @@ def _row_leaves(leaves: _Leaves, skip_zero_rows: bool
   return rows, row_grads
 
 
-def _gather(leaf: jax.Array, row: _RowLeaf) -> jax.Array:
+def _gather(leaf: jax.Array, row: _RowLeaf,
+            backend: Optional[_backend.Backend]) -> jax.Array:
   if row.ids is None:
     return leaf
   # Unused slots hold id `num_rows`: they read zeros.
-  return row_ops.gather(leaf, row.ids)
+  return row_ops.gather(leaf, row.ids, backend)
 
 
-def _put_back(old: jax.Array, new: jax.Array, row: _RowLeaf) -> jax.Array:
+def _put_back(old: jax.Array, new: jax.Array, row: _RowLeaf,
+              backend: Optional[_backend.Backend]) -> jax.Array:
   if row.ids is not None:
-    return row_ops.put(old, row.ids, new)
+    return row_ops.put(old, row.ids, new, backend)
   assert row.row_mask is not None
   return jnp.where(broadcast_rows(row.row_mask, old), new, old)
 
 
 def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
-                 new_updates: Any) -> Any:
+                 new_updates: Any,
+                 backends: Optional[dict[int, _backend.Backend]]) -> Any:
   out = leaves.treedef.flatten_up_to(new_updates)
   for i, row in rows.items():
     if row.ids is not None:
-      out[i] = SparseRows.from_unique(row.ids, out[i],
-                                      leaves.grads[i].num_rows, distinct=True)
+      out[i] = SparseRows.from_unique(
+          row.ids, out[i], leaves.grads[i].num_rows, distinct=True,
+          backend=backends.get(i) if backends else None)
     else:
       assert row.row_mask is not None
       out[i] = jnp.where(broadcast_rows(row.row_mask, out[i]), out[i],
@@ -141,10 +148,162 @@ def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
   return leaves.treedef.unflatten(out)
 
 
+_LOST = ('its update ran where lazy(...) cannot take the tables it writes '
+         '(a wrapper rebuilt its state, as optax.apply_if_finite\'s lax.cond '
+         'does): the rule computes on the row blocks and lazy(...) writes '
+         'them back')
+
+
+class _Plan(NamedTuple):
+  """What `lazy` decided for one update, per position of a `SparseRows`."""
+  tables: dict[int, _backend.Backend]            # the row moves
+  rules: dict[int, dict[str, _backend.Backend]]  # each rule's update
+
+
+class _ProbeCache:
+  """What the rules ask for, per tree signature (one abstract trace each)."""
+
+  def __init__(self) -> None:
+    self._known: dict[Any, tuple[dict[str, list[fused.Request]],
+                                 set[str]]] = {}
+
+  def __call__(self, probe: Any, tree: Any
+               ) -> tuple[dict[str, list[fused.Request]], set[str]]:
+    key = (row_state.signature(tree), cpu_kernels.loaded())
+    known = self._known.get(key)
+    if known is None:
+      box = []
+      jax.eval_shape(lambda: box.append(probe()))
+      known = self._known[key] = (box[0].requests, box[0].lost())
+    return known
+
+
+def _table_of(pos: int, leaves: _Leaves, state_leaves: list[Any],
+              owners: list[Optional[int]]) -> Any:
+  """The array whose placement decides the table at `pos`."""
+  if leaves.params[pos] is not None:
+    return leaves.params[pos]
+  for leaf, owner in zip(state_leaves, owners):
+    if owner == pos:
+      return leaf
+  return leaves.grads[pos].values
+
+
+def _decide_table(table: Any, name: str, impl: str,
+                  requests: list[fused.Request], lost: bool
+                  ) -> tuple[_backend.Backend, dict[str, _backend.Backend]]:
+  """One table's backend: its row moves, and each rule's update."""
+  where = _backend.placement(table)
+  asked = [impl] + [r.impl for r in requests]
+  row_kernels = (not {'xla', 'generic'} & set(asked)
+                 and _backend.row_kernels_allowed(where))
+  moves = _backend.Backend('generic', 'lazy(...) moves the rows',
+                           row_kernels, where)
+  rules = {}
+  for r in requests:
+    if lost:
+      rules[r.rule] = _backend.Backend('generic', _LOST, row_kernels, where)
+      continue
+    decided = _backend.decide(table, impl if r.impl == 'auto' else r.impl,
+                              refusal=r.refusal, subject=r.rule, name=name)
+    rules[r.rule] = decided._replace(row_kernels=row_kernels)
+  return moves, rules
+
+
+def _decide(leaves: _Leaves, state: Any, impl: str,
+            requests: dict[str, list[fused.Request]], lost: set[str],
+            find_owners: Any) -> _Plan:
+  sparse = [i for i, g in enumerate(leaves.grads)
+            if isinstance(g, SparseRows)]
+  owners = find_owners(
+      param_shapes=[_shape_struct(g) for g in leaves.grads],
+      rebuild_params=leaves.treedef.unflatten,
+      row_param_positions=sparse, state=state)
+  state_leaves = jax.tree.leaves(state)
+  plan = _Plan({}, {})
+  for pos in sparse:
+    name = leaves.names[pos]
+    plan.tables[pos], plan.rules[pos] = _decide_table(
+        _table_of(pos, leaves, state_leaves, owners), name, impl,
+        requests.get(name, []), name in lost)
+  return plan
+
+
+def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
+           params: Any, extra_args: dict[str, Any], skip_zero_rows: bool,
+           plan: Optional[_Plan]) -> tuple[Any, Any, fused.RowContext]:
+  """`inner.update` on the touched rows: gather, update, write back.
+
+  With `plan` None this is `lazy`'s probe: the blocks carry no backend and
+  the rules report what they ask for.
+  """
+  moves = plan.tables if plan is not None else None
+  rows, row_grads = _row_leaves(leaves, skip_zero_rows, moves)
+  owners = find_owners(
+      param_shapes=[_shape_struct(g) for g in leaves.grads],
+      rebuild_params=leaves.treedef.unflatten,
+      row_param_positions=list(rows), state=state)
+  state_leaves, state_def = jax.tree.flatten(state)
+  context = fused.RowContext()
+
+  def at_rows(leaf, pos):
+    if pos is None:
+      return leaf
+    move = moves.get(pos) if moves is not None else None
+    block = _gather(leaf, rows[pos], move)
+    if rows[pos].ids is not None:
+      context.register(block, fused.Block(
+          leaf, rows[pos].ids, leaves.names[pos],
+          plan.rules.get(pos, {}) if plan is not None else None, move))
+    return block
+
+  row_state_tree = jax.tree.unflatten(
+      state_def, [at_rows(s, o) for s, o in zip(state_leaves, owners)])
+  row_params = None
+  if params is not None:
+    row_params = leaves.treedef.unflatten(
+        [at_rows(p, i if i in rows else None)
+         for i, p in enumerate(leaves.params)])
+  with fused.active(context):
+    new_updates, new_row_state = inner.update(
+        leaves.treedef.unflatten(row_grads), row_state_tree, row_params,
+        **extra_args)
+
+  def write_back(old, new, pos):
+    if pos is None:
+      return new
+    table = context.written(new)  # the rule wrote the whole table itself
+    if table is not None:
+      return table
+    return _put_back(old, new, rows[pos],
+                     moves.get(pos) if moves is not None else None)
+
+  new_state = jax.tree.unflatten(state_def, [
+      write_back(o, n, pos) for o, n, pos in zip(
+          state_leaves, jax.tree.leaves(new_row_state), owners)])
+  for pos, row in rows.items():
+    if row.ids is not None and leaves.names[pos] not in context.chosen:
+      move = moves[pos] if moves is not None else None
+      fused.record(fused.Choice(
+          leaves.names[pos], 'tx', 'generic',
+          ('not a lazy_optax rule: lazy(...) ran it on the gathered rows'
+           if pos in owners else 'no state rows: only the update rows')
+          + _moves_note(move)), context)
+  return _row_updates(leaves, rows, new_updates, moves), new_state, context
+
+
+def _moves_note(move: Optional[_backend.Backend]) -> str:
+  if move is None:
+    return ''
+  return (' (rows moved by the C++ kernels on CPU)' if move.row_kernels
+          else ' (rows moved by XLA)')
+
+
 def lazy(
     tx: optax.GradientTransformation,
     *,
     skip_zero_rows: bool = False,
+    impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Makes any optax transformation lazy: it updates only the touched rows.
 
@@ -174,6 +333,15 @@ def lazy(
       dense from `jax.grad`; it still costs O(table) per step (the gradient
       is dense). Caveat: a row that the batch did touch but whose gradient is
       exactly zero is skipped too.
+    impl: how each table's rows are moved and updated: `'auto'` (the C++
+      kernels where the table lives on one CPU device, or the rule's kernel
+      per shard on an Explicit mesh; XLA elsewhere), `'xla'` or
+      `'generic'` (XLA's ops only: no C++ call for the deduplication, the
+      gathers, the write-back or the update's scatter-add) or
+      `'cpu_kernel'` (an error where no kernel can run). A lazy_optax rule
+      inside `tx` whose own `impl=` is not `'auto'` decides for itself; an
+      `'xla'` or `'generic'` from either side keeps the table's row moves
+      off the C++ kernels. `explain_update` tells what each table got.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with `tx`'s state.
@@ -197,62 +365,36 @@ def lazy(
     raise TypeError(
         'lazy() takes an optax.GradientTransformation (something with init '
         f'and update, such as optax.adam(1e-3)), got {type(tx).__name__}.')
+  validate.impl_argument(impl, 'lazy')
   inner = optax.with_extra_args_support(tx)
   find_owners = row_state.OwnerCache(inner.init)
+  probes = _ProbeCache()
 
   def init_fn(params):
     cpu_kernels.load_for(params)
     return inner.init(params)
 
+  def run(leaves, state, params, extra_args, plan):
+    return _trace(inner, find_owners, leaves, state, params, extra_args,
+                  skip_zero_rows, plan)
+
   def update_fn(updates, state, params=None, **extra_args):
     leaves = _flatten(updates, params)
-    rows, row_grads = _row_leaves(leaves, skip_zero_rows)
-    if not rows:
-      return inner.update(updates, state, params, **extra_args)
-    owners = find_owners(
-        param_shapes=[_shape_struct(g) for g in leaves.grads],
-        rebuild_params=leaves.treedef.unflatten,
-        row_param_positions=list(rows), state=state)
-    state_leaves, state_def = jax.tree.flatten(state)
-    context = fused.RowContext()
-
-    def at_rows(leaf, pos):
-      if pos is None:
-        return leaf
-      block = _gather(leaf, rows[pos])
-      if rows[pos].ids is not None:
-        context.register(block, fused.Block(leaf, rows[pos].ids,
-                                            leaves.names[pos]))
-      return block
-
-    row_state_tree = state_def.unflatten(
-        [at_rows(s, o) for s, o in zip(state_leaves, owners)])
-    row_params = None
-    if params is not None:
-      row_params = leaves.treedef.unflatten(
-          [at_rows(p, i if i in rows else None)
-           for i, p in enumerate(leaves.params)])
-    with fused.active(context):
-      new_updates, new_row_state = inner.update(
-          leaves.treedef.unflatten(row_grads), row_state_tree, row_params,
-          **extra_args)
-
-    def write_back(old, new, pos):
-      if pos is None:
-        return new
-      table = context.written(new)  # the rule wrote the whole table itself
-      return table if table is not None else _put_back(old, new, rows[pos])
-
-    new_state = state_def.unflatten([
-        write_back(o, n, pos) for o, n, pos in zip(
-            state_leaves, jax.tree.leaves(new_row_state), owners)])
-    for pos, row in rows.items():
-      if row.ids is not None and leaves.names[pos] not in context.chosen:
-        fused.record(fused.Choice(
-            leaves.names[pos], 'tx', 'generic',
-            'not a lazy_optax rule: lazy(...) ran it on the gathered rows'
-            if pos in owners else 'no state rows: only the update rows'))
-    return _row_updates(leaves, rows, new_updates), new_state
+    if not any(isinstance(g, SparseRows) for g in leaves.grads):
+      # Dense leaves only: checked, and row-lazy with skip_zero_rows.
+      if not _row_leaves(leaves, skip_zero_rows, None)[0]:
+        return inner.update(updates, state, params, **extra_args)
+      new_updates, new_state, _ = run(leaves, state, params, extra_args,
+                                      None)
+      return new_updates, new_state
+    requests, lost = probes(
+        lambda: run(leaves, state, params, extra_args, None)[2],
+        (updates, state, params, sorted(extra_args)))
+    plan = _decide(leaves, state, impl, requests, lost, find_owners)
+    new_updates, new_state, context = run(leaves, state, params, extra_args,
+                                          plan)
+    fused.publish(context.choices)
+    return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init=init_fn,
                                                update=update_fn)

@@ -2,35 +2,37 @@
 
 Every row-sparse path of the library moves rows through these three
 functions (`lazy(...)`'s gathers and write-backs, `apply_updates`'s
-scatter-add). On a table that lives on one device, where the CPU kernels are
-loaded, they lower to the kernels on CPU (`jax.lax.platform_dependent`: the
-platform is fixed when the step is compiled) and to XLA's gather and scatter
-elsewhere; tables on several devices always take XLA's, which its
-partitioner splits. Ids outside `[0, num_rows)` read zeros and write nothing
-either way.
+scatter-add), each told the table's `backend.Backend`: where its
+`row_kernels` is set (the table lives on one device, the CPU kernels are
+loaded, and the `impl=` asked for allows them) they lower to the kernels on
+CPU (`jax.lax.platform_dependent`: the platform is fixed when the step is
+compiled) and to XLA's gather and scatter elsewhere; otherwise to XLA's
+only. Without a backend they take `backend.for_array(table)` (`'auto'`).
+Ids outside `[0, num_rows)` read zeros and write nothing either way.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import sharding as _sharding
-from lazy_optax._src.placement import placement
 
 
-def on_one_cpu(x: Any) -> bool:
-  """Whether the kernels may run on `x`: loaded, one device, CPU or unknown.
+def kernels_for(x: Any, backend: Optional[_backend.Backend]) -> bool:
+  """Whether the row-move kernels run on `x` under `backend`.
 
-  An unknown platform is settled when the step is lowered.
+  A backend can keep the kernels off; it never sends them where they cannot
+  run (loaded, one device, CPU or a platform settled when the step is
+  lowered). Without a backend, that alone decides ('auto').
   """
-  if not cpu_kernels.loaded():
+  if backend is not None and not backend.row_kernels:
     return False
-  where = placement(x)
-  return where.kind == 'one' and where.platform in (None, 'cpu')
+  return _backend.row_kernels_allowed(_backend.placement(x))
 
 
 def _kernel_ids(ids: Any) -> bool:
@@ -52,29 +54,32 @@ def _xla_add(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
                            **_sharding.scatter_kwargs(table))
 
 
-def gather(table: jax.Array, ids: jax.Array) -> jax.Array:
+def gather(table: jax.Array, ids: jax.Array,
+           backend: Optional[_backend.Backend] = None) -> jax.Array:
   """`table[ids]`, zero rows where an id lies outside `[0, num_rows)`.
 
   `ids` is a vector. Not differentiable through `table` on the kernel's path.
   """
-  if table.ndim >= 1 and _kernel_ids(ids) and on_one_cpu(table):
+  if table.ndim >= 1 and _kernel_ids(ids) and kernels_for(table, backend):
     return jax.lax.platform_dependent(table, ids, cpu=cpu_kernels.gather,
                                       default=_xla_gather)
   return _xla_gather(table, ids)
 
 
-def put(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
+def put(table: jax.Array, ids: jax.Array, rows: jax.Array,
+        backend: Optional[_backend.Backend] = None) -> jax.Array:
   """`table` with rows `ids` set to `rows`; `ids` must be distinct."""
-  if table.ndim >= 1 and _kernel_ids(ids) and on_one_cpu(table):
+  if table.ndim >= 1 and _kernel_ids(ids) and kernels_for(table, backend):
     return jax.lax.platform_dependent(table, ids, rows,
                                       cpu=cpu_kernels.scatter,
                                       default=_xla_put)
   return _xla_put(table, ids, rows)
 
 
-def add(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
+def add(table: jax.Array, ids: jax.Array, rows: jax.Array,
+        backend: Optional[_backend.Backend] = None) -> jax.Array:
   """`table` with `rows` added at `ids` (repeated ids add up)."""
-  if (table.ndim >= 1 and _kernel_ids(ids) and on_one_cpu(table)
+  if (table.ndim >= 1 and _kernel_ids(ids) and kernels_for(table, backend)
       and jnp.dtype(table.dtype) in cpu_kernels.STORAGE_DTYPES):
     return jax.lax.platform_dependent(table, ids, rows,
                                       cpu=cpu_kernels.scatter_add,
@@ -82,7 +87,8 @@ def add(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
   return _xla_add(table, ids, rows)
 
 
-def after(x: jax.Array, *deps: jax.Array) -> jax.Array:
+def after(x: jax.Array, *deps: jax.Array,
+          backend: Optional[_backend.Backend] = None) -> jax.Array:
   """`x`, ordered after the computation of `deps` (no copy, no arithmetic).
 
   A loss linear in its looked-up rows has a gradient that does not depend on
@@ -95,7 +101,7 @@ def after(x: jax.Array, *deps: jax.Array) -> jax.Array:
   """
   if not deps:
     return x
-  if on_one_cpu(x):
+  if kernels_for(x, backend):
     return jax.lax.platform_dependent(
         x, *deps, cpu=cpu_kernels.after,
         default=lambda x, *d: jax.lax.optimization_barrier((x, d))[0])

@@ -18,6 +18,7 @@ from typing import Any, Iterator, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import backend as _backend
 from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.sparse_rows import index_dtype
@@ -42,7 +43,7 @@ def _rows_like_ids(table: Any, ids: Any) -> dict[str, Any]:
 
 
 def read_rows(table: Any, ids: jax.Array, dtype: Any = None, *,
-              constant: bool = False) -> jax.Array:
+              constant: bool = False, impl: str = 'auto') -> jax.Array:
   """`table[ids]`, with zero rows for ids outside `[0, num_rows)`.
 
   Out-of-range ids (negative ones too: JAX would wrap them before any gather
@@ -56,6 +57,8 @@ def read_rows(table: Any, ids: jax.Array, dtype: Any = None, *,
       through this read), so the CPU kernels' row gather may read it: on one
       CPU device it prefetches the cold rows that XLA's gather waits for
       (a 1,000,000 x 64 `lazy_adam` step 0.58 -> 0.39 ms).
+    impl: for a constant table, `'auto'` (that kernel where it may run) or
+      `'xla'` (XLA's gather only).
 
   Returns:
     `ids.shape + row_shape` rows.
@@ -73,7 +76,8 @@ def read_rows(table: Any, ids: jax.Array, dtype: Any = None, *,
   safe = jnp.where(in_range(ids, num_rows), ids, num_rows)
   table = jnp.asarray(table)
   if constant and table.ndim >= 1:
-    flat = row_ops.gather(table, safe.reshape(-1))
+    flat = row_ops.gather(table, safe.reshape(-1),
+                          _backend.for_array(table, impl))
     rows = flat.reshape(safe.shape + table.shape[1:])
   else:
     rows = table.at[safe].get(mode='fill', fill_value=0,

@@ -128,7 +128,7 @@ def row_owners(
   return owners
 
 
-def _signature(tree: Any) -> tuple[Any, ...]:
+def signature(tree: Any) -> tuple[Any, ...]:
   leaves, treedef = jax.tree.flatten(tree)
   return (treedef, tuple((tuple(getattr(x, 'shape', ())),
                           str(getattr(x, 'dtype', type(x)))) for x in leaves))
@@ -150,8 +150,8 @@ class OwnerCache:
   def __call__(self, *, param_shapes: Sequence[jax.ShapeDtypeStruct],
                rebuild_params: Any, row_param_positions: Sequence[int],
                state: Any) -> list[Optional[int]]:
-    key = (_signature(rebuild_params(list(param_shapes))),
-           tuple(row_param_positions), _signature(state))
+    key = (signature(rebuild_params(list(param_shapes))),
+           tuple(row_param_positions), signature(state))
     owners = self._known.get(key)
     if owners is None:
       owners = row_owners(

@@ -7,6 +7,7 @@ from typing import Any, Optional, Sequence
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import backend as backend_lib
 from lazy_optax._src import distinct as _distinct
 from lazy_optax._src import id_code
 from lazy_optax._src import row_ops
@@ -29,6 +30,38 @@ class _SparseRowsType(type):
 
   def __repr__(cls) -> str:
     return validate.SPARSE_ROWS_CLASS_HINT
+
+
+class _RowMoves:
+  """An update's row-move decision, carried through JAX's rebuilds.
+
+  Part of a `SparseRows`'s pytree aux data so that an update `lazy(...)`
+  made keeps its table's decision when a wrapper rebuilds it from leaves
+  (`optax.apply_if_finite`'s `lax.cond`, `optax.partition`). It compares
+  equal to every other: the two branches of a `lax.cond` (an update and
+  the zeros of a gradient) must have one tree structure.
+  """
+  __slots__ = ('row_kernels',)
+
+  def __init__(self, row_kernels: Optional[bool]):
+    self.row_kernels = row_kernels
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, _RowMoves)
+
+  def __hash__(self) -> int:
+    return hash(_RowMoves)
+
+  def __repr__(self) -> str:
+    return f'_RowMoves({self.row_kernels})'
+
+  def backend(self) -> Optional[backend_lib.Backend]:
+    if self.row_kernels is None:
+      return None
+    return backend_lib.Backend(
+        'cpu_kernel' if self.row_kernels else 'xla',
+        "the table's decision, carried by its update", self.row_kernels,
+        backend_lib.Placement('one'))
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -54,6 +87,10 @@ class SparseRows(metaclass=_SparseRowsType):
     ids: integer array of shape `[N]`, the row ids (duplicates allowed).
     values: array of shape `[N, *row_shape]`, one row per id.
     num_rows: static Python int, the row count of the dense array.
+    impl: how the repeated ids are summed: `'auto'` (the C++ kernel on one
+      CPU device where the kernels are loaded, else XLA), `'xla'` or
+      `'generic'` (XLA only, no C++ call; what `lazy(..., impl='xla')`
+      steps build their gradients with).
 
   Example:
     >>> import jax.numpy as jnp
@@ -69,17 +106,21 @@ class SparseRows(metaclass=_SparseRowsType):
 
   # Exactly one of `_ids` (distinct ids, of one built by the library) and
   # `_code` (the id code of one rebuilt from leaves by tree arithmetic, read
-  # back and checked where it is consumed) is set.
-  __slots__ = ('_ids', '_code', 'values', 'num_rows')
+  # back and checked where it is consumed) is set. `_backend` is the table's
+  # `Backend` of an update that `lazy(...)` made, for the scatter-add that
+  # applies it (its `row_kernels` travels in the aux data, `_RowMoves`).
+  __slots__ = ('_ids', '_code', 'values', 'num_rows', '_backend')
   _ids: Optional[jax.Array]
   _code: Optional[jax.Array]
   values: jax.Array
   num_rows: int
+  _backend: Optional[backend_lib.Backend]
 
   __array_ufunc__ = None  # numpy defers `ndarray + SparseRows` to __radd__
 
   def __init__(self, ids: Any = _MISSING, values: Any = _MISSING,
-               num_rows: Any = _MISSING, *, indices: Any = _MISSING):
+               num_rows: Any = _MISSING, *, indices: Any = _MISSING,
+               impl: str = 'auto'):
     ids = validate.ids_argument(ids, indices, values, num_rows, _MISSING)
     num_rows = validate.num_rows(num_rows)
     given, ids = ids, ids if _is_tracer(ids) else jnp.asarray(ids)  # 64 bits
@@ -88,12 +129,15 @@ class SparseRows(metaclass=_SparseRowsType):
     validate.one_row_per_index(ids.shape[0], values, 'SparseRows')
     if not _is_tracer(ids):
       validate.indices_in_range(given, num_rows, 'SparseRows')  # before a cast
+    validate.impl_argument(impl, 'SparseRows')
     ids, values = _distinct.from_ids(ids.astype(index_dtype(num_rows)), values,
-                                    num_rows)
+                                    num_rows, impl)
     self._fill(ids, None, values, num_rows)
 
-  def _fill(self, ids: Any, code: Any, values: Any, num_rows: int) -> None:
-    for name, value in zip(self.__slots__, (ids, code, values, num_rows)):
+  def _fill(self, ids: Any, code: Any, values: Any, num_rows: int,
+            backend: Optional[backend_lib.Backend] = None) -> None:
+    for name, value in zip(self.__slots__,
+                           (ids, code, values, num_rows, backend)):
       object.__setattr__(self, name, value)
 
   @classmethod
@@ -103,11 +147,14 @@ class SparseRows(metaclass=_SparseRowsType):
     return obj
 
   def _with_values(self, values: Any) -> 'SparseRows':
-    return self._made(self._ids, self._code, values, self.num_rows)
+    return self._made(self._ids, self._code, values, self.num_rows,
+                      self._backend)
 
   @classmethod
   def from_unique(cls, ids: jax.Array, values: jax.Array, num_rows: int, *,
-                  distinct: bool = False) -> 'SparseRows':
+                  distinct: bool = False,
+                  backend: Optional[backend_lib.Backend] = None,
+                  impl: str = 'auto') -> 'SparseRows':
     """A `SparseRows` of the library's own: no range checks (ids may hold
     `num_rows`, no row); repeated ids are summed, unless `distinct`.
 
@@ -117,6 +164,9 @@ class SparseRows(metaclass=_SparseRowsType):
       num_rows: the row count of the dense array.
       distinct: whether `(ids, values)` are a deduplication's output (no row
         id twice, zeros in the slots that name no row).
+      backend: the table's `Backend` (an update made by `lazy(...)`): its
+        scatter-add follows it.
+      impl: for the deduplication when not `distinct` (see `SparseRows`).
 
     Returns:
       A `SparseRows`.
@@ -124,8 +174,8 @@ class SparseRows(metaclass=_SparseRowsType):
     num_rows = int(num_rows)
     ids = jnp.asarray(ids).astype(index_dtype(num_rows))
     if not distinct:
-      ids, values = _distinct.from_ids(ids, values, num_rows)
-    return cls._made(ids, None, values, num_rows)
+      ids, values = _distinct.from_ids(ids, values, num_rows, impl)
+    return cls._made(ids, None, values, num_rows, backend)
 
   @classmethod
   def concatenate(cls, parts: Sequence['SparseRows']) -> 'SparseRows':
@@ -194,18 +244,24 @@ class SparseRows(metaclass=_SparseRowsType):
         f'SparseRows is immutable: build a new one instead of setting {name}.')
 
   # -- pytree protocol: leaves (code, values) ---------------------------------
+  def _aux(self) -> tuple[int, '_RowMoves']:
+    return self.num_rows, _RowMoves(
+        None if self._backend is None else self._backend.row_kernels)
+
   def tree_flatten_with_keys(self):
     key = jax.tree_util.GetAttrKey
     return ((key('code'), self.code), (key('values'), self.values)), \
-        self.num_rows
+        self._aux()
 
   def tree_flatten(self):
-    return (self.code, self.values), self.num_rows
+    return (self.code, self.values), self._aux()
 
   @classmethod
-  def tree_unflatten(cls, num_rows, children):
+  def tree_unflatten(cls, aux, children):
     # No validation: JAX rebuilds pytrees with arbitrary leaves.
-    return cls._made(None, children[0], children[1], num_rows)
+    num_rows, moves = aux
+    return cls._made(None, children[0], children[1], num_rows,
+                     moves.backend())
 
   num_ids = property(lambda self: int(self.values.shape[0]),
                      doc='How many slots (id, row) this holds: `N`.')
@@ -265,7 +321,7 @@ class SparseRows(metaclass=_SparseRowsType):
     self.check(where)
     validate.same_shape(tuple(array.shape), self.shape, where)
     return row_ops.add(array, self.safe_ids(where),
-                       self.values.astype(array.dtype))
+                       self.values.astype(array.dtype), self._backend)
 
   def astype(self, dtype: Any) -> 'SparseRows':
     """The same rows with values cast to `dtype` (the ids unchanged)."""

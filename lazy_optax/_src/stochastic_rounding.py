@@ -19,7 +19,7 @@ the same bits whatever the batch order, the mesh or the device count. A
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 import zlib
 
 import jax
@@ -29,6 +29,7 @@ from lazy_optax._src import cpu_kernels
 from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.apply import apply_updates
+from lazy_optax._src.backend import Backend
 from lazy_optax._src.labels import path_name
 from lazy_optax._src.sparse_rows import deduplicate
 from lazy_optax._src.sparse_rows import is_sparse_rows
@@ -96,12 +97,15 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   return jnp.where(jnp.isfinite(x), out, x.astype(dtype))
 
 
-def _kernel_rounds(param: Any, ids: Any, key: jax.Array) -> bool:
-  """Whether the CPU kernel rounds this leaf: bfloat16, threefry, one CPU."""
+def _kernel_rounds(param: Any, ids: Any, key: jax.Array,
+                   backend: Optional[Backend]) -> bool:
+  """Whether the CPU kernel rounds this leaf: bfloat16, threefry, and the
+  table's backend (or, for an update rebuilt from leaves, where it lives)
+  allows the row kernels."""
   return (jnp.dtype(param.dtype) == jnp.dtype(jnp.bfloat16)
           and jnp.dtype(ids.dtype) == jnp.dtype(jnp.int32)
           and str(jax.random.key_impl(key)) == 'threefry2x32'
-          and row_ops.on_one_cpu(param))
+          and row_ops.kernels_for(param, backend))
 
 
 def _leaf_key(key: jax.Array, step: Any, path: str) -> jax.Array:
@@ -150,6 +154,7 @@ def _add_rounded(path: Any, param: Any, update: Any, key: jax.Array,
       raise ValueError(
           f'Parameter {name} has shape {tuple(param.shape)} but its '
           f'SparseRows update is for shape {update.shape}.')
+    backend = update._backend  # pylint: disable=protected-access
     unique = deduplicate(update)  # unused slots hold id num_rows: dropped
     values = unique.values.astype(jnp.float32)
 
@@ -161,7 +166,7 @@ def _add_rounded(path: Any, param: Any, update: Any, key: jax.Array,
       return param.at[ids].set(new_rows, mode='drop',
                                **_sharding.scatter_kwargs(param))
 
-    if _kernel_rounds(param, unique.ids, leaf_key):
+    if _kernel_rounds(param, unique.ids, leaf_key, backend):
       # The C++ kernel draws the same bits (JAX's threefry) in one pass.
       return jax.lax.platform_dependent(
           param, unique.ids, values,

@@ -101,18 +101,62 @@ def _copied_tables(hlo: str, tables: Sequence[tuple[str, Any]]
   argument of the same shape: all of them are named). Tables under
   `COPY_WARN_BYTES` are left out.
   """
+  copied: dict[str, int] = {}
+  for name, nbytes, _ in _table_copies(hlo, tables):
+    copied[name] = copied.get(name, 0) + nbytes
+  return copied
+
+
+def _table_copies(hlo: str, tables: Sequence[tuple[str, Any]]
+                  ) -> list[tuple[str, int, bool]]:
+  """Per table-sized copy: the table, its bytes, whether in a cond branch."""
   by_shape: dict[str, list[tuple[str, int]]] = {}
   for name, info in tables:
     if _nbytes(info) >= COPY_WARN_BYTES:
       by_shape.setdefault(_hlo_shape(info), []).append((name, _nbytes(info)))
-  copied: dict[str, int] = {}
-  for line in hlo.splitlines():
-    if ' copy(' not in line and ' copy-start(' not in line:
-      continue
+  found = []
+  for line, in_branch in _copies(hlo):
     result = line.split('=', 1)[-1].strip().split('{', 1)[0].split(' ')[0]
     for name, nbytes in by_shape.get(result.strip('()'), []):
-      copied[name] = copied.get(name, 0) + nbytes
-  return copied
+      found.append((name, nbytes, in_branch))
+  return found
+
+
+def _copies(hlo: str) -> list[tuple[str, bool]]:
+  """Each copy instruction, and whether it lies in a `lax.cond` branch."""
+  branches: set[str] = set()
+  for part in hlo.split('branch_computations={')[1:]:
+    branches.update(c.strip().lstrip('%')
+                    for c in part.split('}', 1)[0].split(','))
+  found, computation = [], ''
+  for line in hlo.splitlines():
+    if line and not line[0].isspace() and line.rstrip().endswith('{'):
+      computation = line.split()[1 if line.startswith('ENTRY') else 0]
+      computation = computation.lstrip('%').split('(', 1)[0]
+    elif ' copy(' in line or ' copy-start(' in line:
+      found.append((line, computation in branches))
+  return found
+
+
+def _in_branches(hlo: str, tables: Sequence[tuple[str, Any]]) -> bool:
+  """Whether every table-sized copy lies in a `lax.cond` branch."""
+  return all(in_branch for _, _, in_branch in _table_copies(hlo, tables))
+
+
+_COND_CAUSE = (
+    'The copies lie inside a lax.cond branch: the step writes the tables '
+    'inside a lax.cond whose other branch keeps the old ones, as '
+    'optax.apply_if_finite(lazy_optax.lazy_adam(...)) does (it returns the '
+    'old state when a step is skipped). Put the condition inside lazy(...): '
+    'lazy_optax.lazy(optax.apply_if_finite(tx, ...)) runs it on the touched '
+    'rows and writes the tables outside it.')
+_LINEAR_CAUSE = (
+    'The step reads a table after updating it in place. The usual cause is '
+    'a loss linear in the looked-up rows (its gradient does not depend '
+    'on them, so nothing orders the lookup before the update): look '
+    'the rows up with lazy_optax.lookup inside lazy_optax.value_and_grad '
+    '(or its Flax, Haiku and Equinox forms), which orders them; or '
+    'return nothing that reads the old table.')
 
 
 _ADVICE = (
@@ -186,16 +230,12 @@ def warn_if_not_donated(step: Any, *args: Any, **kwargs: Any) -> bool:
     if _first_time(step):
       names = ', '.join(copied)
       size = _size(sum(copied.values()))
+      cause = (_COND_CAUSE if _in_branches(compiled.as_text() or '', tables)
+               else _LINEAR_CAUSE)
       warnings.warn(
           f'lazy_optax: this train step donates its tables, but XLA copies '
-          f'{names} in full inside the compiled step ({size} a step): the '
-          'step reads a table after updating it in place. The usual cause is '
-          'a loss linear in the looked-up rows (its gradient does not depend '
-          'on them, so nothing orders the lookup before the update): look '
-          'the rows up with lazy_optax.lookup inside lazy_optax.value_and_grad '
-          '(or its Flax, Haiku and Equinox forms), which orders them; or '
-          'return nothing that reads the old table.', UserWarning,
-          stacklevel=2)
+          f'{names} in full inside the compiled step ({size} a step). '
+          + cause, UserWarning, stacklevel=2)
     return False
   stats = compiled.memory_analysis()
   needed = sum(_nbytes(info) for _, info in tables)

@@ -245,3 +245,12 @@ def floating(dtype: Any, where: str, what: str = 'gradients') -> None:
     raise TypeError(f'{where} has dtype {dtype}; {what} must be floating '
                     'point.')
 
+
+
+IMPLS = ('auto', 'generic', 'xla', 'cpu_kernel')
+
+
+def impl_argument(impl: Any, where: str) -> None:
+  """`impl` must be one of `IMPLS`."""
+  if impl not in IMPLS:
+    raise ValueError(f'{where}: impl must be one of {IMPLS}, got {impl!r}.')

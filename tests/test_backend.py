@@ -1,0 +1,269 @@
+"""One backend per table: decided by `lazy(...)`, followed, and told truly.
+
+- `impl='xla'` compiles to a step without a single C++ call, on CPU with the
+  kernels loaded (deduplication, gathers, rule, write-back, scatter-add,
+  stochastic rounding);
+- for every composition that docs/semantics.md lists around a rule,
+  `explain_update` says 'cpu_kernel' exactly when the compiled step calls
+  the rule's kernel, with the kernels present and hidden, the donated step
+  copies no table, and the parameters equal TensorFlow's rule in float64.
+"""
+
+import functools
+import re
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from reference import TFLazyAdam
+
+import lazy_optax
+from lazy_optax._src import cpu_kernels
+from lazy_optax._src import train_step
+
+NUM_ROWS, D, N = 500, 64, 24
+LR = 0.01
+ADAM_KERNEL = 'lazy_optax_LazyOptaxAdam'
+
+
+def _targets(hlo):
+  """The project's FFI targets that a compiled program calls."""
+  return sorted(set(re.findall(r'lazy_optax_LazyOptax\w+', hlo)))
+
+
+def _table_copies(hlo):
+  shape = f'[{NUM_ROWS},{D}]'
+  return [line for line in hlo.splitlines()
+          if (' copy(' in line or ' copy-start(' in line) and shape in line]
+
+
+def _batches(steps, seed=0):
+  rng = np.random.default_rng(seed)
+  for _ in range(steps):
+    ids = rng.integers(0, 60, N)
+    ids[:5] = ids[5]  # duplicates
+    yield (jnp.asarray(ids, jnp.int32),
+           jnp.asarray(rng.normal(size=(N, D)), jnp.float32))
+
+
+def _table():
+  rng = np.random.default_rng(42)
+  return rng.normal(size=(NUM_ROWS, D)).astype(np.float32)
+
+
+# --- impl='xla': no C++ call at all ----------------------------------------
+
+XLA_OPTIMIZERS = {
+    'lazy_adam': lambda: lazy_optax.lazy_adam(LR, impl='xla'),
+    'lazy(optax.adam, impl=xla)': lambda: lazy_optax.lazy(
+        optax.adam(LR), impl='xla'),
+    'lazy(chain(scale_by_lazy_adam))': lambda: lazy_optax.lazy(optax.chain(
+        lazy_optax.scale_by_lazy_adam(impl='xla'),
+        optax.scale_by_learning_rate(LR))),
+    'chain(clip_by_global_norm, lazy_adam)': lambda: optax.chain(
+        optax.clip_by_global_norm(1e6), lazy_optax.lazy_adam(LR, impl='xla')),
+    'inject_hyperparams(lazy_adam)': lambda: optax.inject_hyperparams(
+        lazy_optax.lazy_adam)(learning_rate=LR, impl='xla'),
+    'apply_if_finite(lazy_adam)': lambda: optax.apply_if_finite(
+        lazy_optax.lazy_adam(LR, impl='xla'), 3),
+    'rowwise_adagrad': lambda: lazy_optax.rowwise_adagrad(LR, impl='xla'),
+    'ftrl': lambda: lazy_optax.ftrl(LR, impl='xla'),
+    'partial_rowwise_adam': lambda: lazy_optax.partial_rowwise_adam(
+        LR, impl='xla'),
+    'adam_with_counter': lambda: lazy_optax.adam_with_counter(
+        LR, impl='xla'),
+}
+
+
+def _loss(params, ids):
+  rows = lazy_optax.lookup(params['table'], ids)
+  return jnp.mean((rows - 1.0) ** 2)
+
+
+@pytest.mark.parametrize('name', sorted(XLA_OPTIMIZERS))
+def test_impl_xla_compiles_to_a_step_without_cpp_calls(name):
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  tx = XLA_OPTIMIZERS[name]()
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, ids):
+    _, grads = lazy_optax.value_and_grad(_loss, impl='xla')(params, ids)
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  params = {'table': jnp.asarray(_table())}
+  state = tx.init(params)
+  ids = jnp.zeros((N,), jnp.int32)
+  hlo = step.lower(params, state, ids).compile().as_text()
+  assert _targets(hlo) == []
+  # The same step with impl='auto' does call the kernels: the check can fail.
+  auto = jax.jit(lambda p, s, i: tx.update(
+      lazy_optax.value_and_grad(_loss)(p, i)[1], s, p))
+  assert _targets(auto.lower(params, state, ids).compile().as_text())
+
+
+def test_impl_xla_step_equals_tensorflow_rule():
+  tx = lazy_optax.lazy_adam(LR, impl='xla')
+  table = _table()
+
+  @jax.jit
+  def step(params, state, ids, values):
+    grads = {'table': lazy_optax.SparseRows(ids, values, NUM_ROWS,
+                                            impl='xla')}
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  params = {'table': jnp.asarray(table)}
+  state = tx.init(params)
+  ref = TFLazyAdam(table, lr=LR)
+  for ids, values in _batches(3):
+    params, state = step(params, state, ids, values)
+    ref.step(np.asarray(ids), np.asarray(values))
+  assert _targets(step.lower(params, state, ids, values).as_text()) == []
+  np.testing.assert_allclose(params['table'], ref.p, rtol=2e-5, atol=1e-6)
+
+
+def test_stochastic_rounding_follows_the_update_backend():
+  base = jnp.asarray(_table(), jnp.bfloat16)
+  tx = lazy_optax.lazy(optax.sgd(LR), impl='xla')
+
+  def step(impl):
+    def run(params, ids, values):
+      grads = {'t': lazy_optax.SparseRows(ids, values, NUM_ROWS, impl=impl)}
+      updates, _ = tx.update(grads, tx.init(params), params)
+      return lazy_optax.precision.apply_updates_stochastic(
+          params, updates, key=jax.random.key(0), step=1)
+    return jax.jit(run)
+
+  ids, values = next(_batches(1))
+  hlo = step('xla').lower({'t': base}, ids, values).as_text()
+  assert _targets(hlo) == []
+  # Outside lazy(...) (no table decision) the kernel rounds where it may.
+  auto = jax.jit(lambda p, i, v: lazy_optax.precision.apply_updates_stochastic(
+      p, {'t': lazy_optax.SparseRows(i, v, NUM_ROWS)},
+      key=jax.random.key(0), step=1))
+  assert 'lazy_optax_LazyOptaxAddStochastic' in _targets(
+      auto.lower({'t': base}, ids, values).as_text())
+
+
+# --- explain_update against the compiled program ----------------------------
+
+_LABELS = lazy_optax.tree.path_labels(
+    lambda name: 'tables' if name == 'table' else 'rest')
+
+# The compositions of docs/semantics.md around lazy_adam's rule, each equal
+# to TensorFlow's rule on these batches (the clipping bounds are not met,
+# every gradient is finite).
+COMPOSITIONS = {
+    'lazy_adam': lambda: lazy_optax.lazy_adam(LR),
+    'lazy_adam(schedule)': lambda: lazy_optax.lazy_adam(
+        optax.constant_schedule(LR)),
+    'lazy(chain(scale_by_lazy_adam, scale_by_learning_rate))':
+        lambda: lazy_optax.lazy(optax.chain(
+            lazy_optax.scale_by_lazy_adam(),
+            optax.scale_by_learning_rate(LR))),
+    'inject_hyperparams(lazy_adam)': lambda: optax.inject_hyperparams(
+        lazy_optax.lazy_adam)(learning_rate=LR),
+    'chain(clip_by_global_norm, lazy_adam)': lambda: optax.chain(
+        optax.clip_by_global_norm(1e6), lazy_optax.lazy_adam(LR)),
+    'chain(clip, lazy_adam)': lambda: optax.chain(
+        optax.clip(1e6), lazy_optax.lazy_adam(LR)),
+    'chain(scale(1), lazy_adam)': lambda: optax.chain(
+        optax.scale(1.0), lazy_optax.lazy_adam(LR)),
+    'chain(zero_nans, lazy_adam)': lambda: optax.chain(
+        optax.zero_nans(), lazy_optax.lazy_adam(LR)),
+    'apply_if_finite(chain(clip, lazy_adam))': lambda: optax.apply_if_finite(
+        optax.chain(optax.clip_by_global_norm(1e6), lazy_optax.lazy_adam(LR)),
+        3),
+    'lazy(apply_if_finite(lazy_adam))': lambda: lazy_optax.lazy(
+        optax.apply_if_finite(lazy_optax.lazy_adam(LR), 3)),
+    'masked(lazy_adam)': lambda: optax.masked(
+        lazy_optax.lazy_adam(LR), {'table': True, 'w': False}),
+    'partition(path_labels)': lambda: optax.partition(
+        {'tables': lazy_optax.lazy_adam(LR), 'rest': optax.adam(LR)},
+        _LABELS),
+}
+
+
+def _donated_step(tx, with_params=True):
+  # The values come flat: warn_if_not_donated looks at every 2-D argument.
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, ids, flat_values):
+    values = flat_values.reshape(ids.shape[0], D)
+    grads = {'table': lazy_optax.SparseRows(ids, values, NUM_ROWS),
+             'w': jnp.zeros_like(params['w'])}
+    updates, state = tx.update(grads, state,
+                               params if with_params else None)
+    return lazy_optax.apply_updates(params, updates), state
+  return step
+
+
+def _check_composition(tx, with_params=True):
+  table = _table()
+  params = {'table': jnp.asarray(table), 'w': jnp.ones((3,))}
+  state = tx.init(params)
+  step = _donated_step(tx, with_params)
+  ids, values = next(_batches(1))
+  grads = {'table': lazy_optax.SparseRows(ids, values, NUM_ROWS),
+           'w': jnp.zeros((3,))}
+  choice = lazy_optax.explain_update(tx, grads, state,
+                                     params if with_params else None)
+  choice = choice['table']
+  hlo = step.lower(params, state, ids, values.ravel()).compile().as_text()
+  assert (ADAM_KERNEL in hlo) == (choice.impl == 'cpu_kernel'), (
+      choice, _targets(hlo))
+  if _table_copies(hlo):
+    # Then warn_if_not_donated must name the true cause: tables written
+    # inside apply_if_finite's lax.cond, whose other branch keeps them.
+    with pytest.warns(UserWarning, match='inside a lax.cond branch'):
+      assert not lazy_optax.perf.warn_if_not_donated(
+          step, params, state, ids, values.ravel())
+    return choice, True
+  with warnings.catch_warnings():
+    warnings.simplefilter('error')
+    assert lazy_optax.perf.warn_if_not_donated(step, params, state, ids,
+                                               values.ravel())
+  ref = TFLazyAdam(table, lr=LR)
+  for ids, values in _batches(3):
+    params, state = step(params, state, ids, values.ravel())
+    ref.step(np.asarray(ids), np.asarray(values))
+  np.testing.assert_allclose(params['table'], ref.p, rtol=2e-5, atol=1e-6)
+  return choice, False
+
+
+# XLA's scatter into a table inside a lax.cond branch copies it (the other
+# branch keeps the old table); the kernel's aliased call does not.
+_COPIES_IN_A_COND = {('apply_if_finite(chain(clip, lazy_adam))', 'hidden')}
+
+
+@pytest.mark.parametrize('kernels', ['present', 'hidden'])
+@pytest.mark.parametrize('name', sorted(COMPOSITIONS))
+def test_explain_update_tells_what_the_compiled_step_runs(name, kernels,
+                                                          monkeypatch):
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  if kernels == 'hidden':
+    monkeypatch.setattr(cpu_kernels, 'loaded', lambda: False)
+  # The test's tables are small: let warn_if_not_donated look at them.
+  monkeypatch.setattr(train_step, 'COPY_WARN_BYTES', 1)
+  choice, copies = _check_composition(COMPOSITIONS[name]())
+  assert copies == ((name, kernels) in _COPIES_IN_A_COND), choice
+  if kernels == 'hidden':
+    assert choice.impl != 'cpu_kernel', choice
+
+
+def test_update_without_params_tells_what_runs():
+  choice, _ = _check_composition(lazy_optax.lazy_adam(LR),
+                                 with_params=False)
+  assert choice.impl == 'cpu_kernel', choice
+
+
+def test_a_rule_whose_writes_a_wrapper_rebuilds_is_reported_generic():
+  # apply_if_finite's lax.cond rebuilds the state: the kernel's in-place
+  # tables would not reach lazy(...), and ran on copies of mu and nu.
+  tx = COMPOSITIONS['lazy(apply_if_finite(lazy_adam))']()
+  choice, _ = _check_composition(tx)
+  assert choice.impl == 'generic', choice
+  assert 'apply_if_finite' in choice.reason
