@@ -215,7 +215,7 @@ def cowclip(
     >>> tx = lazy_optax.lazy(lazy_optax.cowclip(coef=0.5))
     >>> u, _ = tx.update(grads, tx.init(params), params,
     ...                  counts={'table': lazy_optax.id_counts(ids, 5)})
-    >>> u['table'].to_dense()[1:3].round(4)  # norms 2 * 0.5 * sqrt(2), 0.5 * sqrt(2)
+    >>> u['table'].to_dense()[1:3].round(4)  # both rows clipped
     Array([[1. , 1. ],
            [0.5, 0.5]], dtype=float32)
   """

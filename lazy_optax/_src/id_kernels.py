@@ -21,8 +21,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from lazy_optax._src import backend
 from lazy_optax._src import id_assign
-from lazy_optax._src import row_ops
+from lazy_optax._src.placement import placement
 
 # The kernel's event counts, in the order it writes them.
 EVENTS = ('admissions', 'evictions', 'rejections', 'overflows', 'unadmitted',
@@ -44,7 +45,8 @@ def usable(table: Any, state: Any) -> bool:
     True where the kernels are loaded, the table has no `ttl` and its state
     lives on one device that is a CPU (or not known until lowering).
   """
-  return table.ttl is None and row_ops.on_one_cpu(state.ids)
+  return table.ttl is None and backend.row_kernels_allowed(
+      placement(state.ids))
 
 
 def _or_stand_in(x: Any, like: jax.ShapeDtypeStruct) -> jax.Array:
