@@ -25,7 +25,7 @@ rule with the `impl=` it was given (`'auto'` by default).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import jax.numpy as jnp
 
@@ -33,7 +33,8 @@ from lazy_optax._src import cpu_kernels
 from lazy_optax._src.placement import Placement
 from lazy_optax._src.placement import placement
 
-__all__ = ('Backend', 'Placement', 'placement', 'decide', 'for_array')
+__all__ = ('Backend', 'Placement', 'placement', 'decide', 'for_array',
+           'RowMoves')
 
 KINDS = ('cpu_kernel', 'xla', 'generic')
 
@@ -148,3 +149,36 @@ def for_array(x: Any, impl: str = 'auto') -> Backend:
   kernels = impl in ('auto', 'cpu_kernel') and row_kernels_allowed(where)
   return Backend('cpu_kernel' if kernels else 'xla',
                  f"impl='{impl}' where the array lives", kernels, where)
+
+
+class RowMoves:
+  """An update's row-move decision, carried through JAX's rebuilds.
+
+  Part of a `SparseRows`'s pytree aux data so that an update `lazy(...)`
+  made keeps its table's decision when a wrapper rebuilds it from leaves
+  (`optax.apply_if_finite`'s `lax.cond`, `optax.partition`). It compares
+  equal to every other: the two branches of a `lax.cond` (an update and
+  the zeros of a gradient) must have one tree structure.
+  """
+  __slots__ = ('row_kernels',)
+
+  def __init__(self, row_kernels: Optional[bool]):
+    self.row_kernels = row_kernels
+
+  def __eq__(self, other: Any) -> bool:
+    return isinstance(other, RowMoves)
+
+  def __hash__(self) -> int:
+    return hash(RowMoves)
+
+  def __repr__(self) -> str:
+    return f'RowMoves({self.row_kernels})'
+
+  def backend(self) -> Optional[Backend]:
+    """The `Backend` of the row moves, or None (no decision carried)."""
+    if self.row_kernels is None:
+      return None
+    return Backend(
+        'cpu_kernel' if self.row_kernels else 'xla',
+        "the table's decision, carried by its update", self.row_kernels,
+        Placement('one'))

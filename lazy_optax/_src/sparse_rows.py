@@ -32,38 +32,6 @@ class _SparseRowsType(type):
     return validate.SPARSE_ROWS_CLASS_HINT
 
 
-class _RowMoves:
-  """An update's row-move decision, carried through JAX's rebuilds.
-
-  Part of a `SparseRows`'s pytree aux data so that an update `lazy(...)`
-  made keeps its table's decision when a wrapper rebuilds it from leaves
-  (`optax.apply_if_finite`'s `lax.cond`, `optax.partition`). It compares
-  equal to every other: the two branches of a `lax.cond` (an update and
-  the zeros of a gradient) must have one tree structure.
-  """
-  __slots__ = ('row_kernels',)
-
-  def __init__(self, row_kernels: Optional[bool]):
-    self.row_kernels = row_kernels
-
-  def __eq__(self, other: Any) -> bool:
-    return isinstance(other, _RowMoves)
-
-  def __hash__(self) -> int:
-    return hash(_RowMoves)
-
-  def __repr__(self) -> str:
-    return f'_RowMoves({self.row_kernels})'
-
-  def backend(self) -> Optional[backend_lib.Backend]:
-    if self.row_kernels is None:
-      return None
-    return backend_lib.Backend(
-        'cpu_kernel' if self.row_kernels else 'xla',
-        "the table's decision, carried by its update", self.row_kernels,
-        backend_lib.Placement('one'))
-
-
 @jax.tree_util.register_pytree_with_keys_class
 class SparseRows(metaclass=_SparseRowsType):
   """A row-sparse gradient or update of a `[num_rows, *row_shape]` array.
@@ -108,7 +76,7 @@ class SparseRows(metaclass=_SparseRowsType):
   # `_code` (the id code of one rebuilt from leaves by tree arithmetic, read
   # back and checked where it is consumed) is set. `_backend` is the table's
   # `Backend` of an update that `lazy(...)` made, for the scatter-add that
-  # applies it (its `row_kernels` travels in the aux data, `_RowMoves`).
+  # applies it (its `row_kernels` travels in the aux data: `RowMoves`).
   __slots__ = ('_ids', '_code', 'values', 'num_rows', '_backend')
   _ids: Optional[jax.Array]
   _code: Optional[jax.Array]
@@ -244,8 +212,8 @@ class SparseRows(metaclass=_SparseRowsType):
         f'SparseRows is immutable: build a new one instead of setting {name}.')
 
   # -- pytree protocol: leaves (code, values) ---------------------------------
-  def _aux(self) -> tuple[int, '_RowMoves']:
-    return self.num_rows, _RowMoves(
+  def _aux(self) -> tuple[int, backend_lib.RowMoves]:
+    return self.num_rows, backend_lib.RowMoves(
         None if self._backend is None else self._backend.row_kernels)
 
   def tree_flatten_with_keys(self):
