@@ -131,8 +131,17 @@ def find(table: Any, state: Any, words: jax.Array) -> jax.Array:
 
 def on_platform(table: Any, state: Any, cpu: Any, default: Any,
                 *args: Any) -> Any:
-  """`cpu(*args)` on CPU where `usable`, else (and elsewhere) `default`."""
+  """`cpu(*args)` on CPU where `usable`, else (and elsewhere) `default`.
+
+  The kernel's outputs take the dtypes of `default`'s (under x64, XLA's
+  path counts in int64 where the kernel counts in int32).
+  """
   if not usable(table, state):
     return default(*args)
-  return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
+  like = jax.eval_shape(default, *args)
+
+  def cpu_like(*a: Any) -> Any:
+    return jax.tree.map(lambda x, s: x.astype(s.dtype), cpu(*a), like)
+
+  return jax.lax.platform_dependent(*args, cpu=cpu_like, default=default)
 
