@@ -16,10 +16,7 @@ by 0 eager and 1.5e-7 relative jitted; the live case (400 x 16, 256 ids, 8
 steps) by 3.0e-8, 1.6e-7 of the row, and 2.2e-7 relative.
 """
 
-import os
-import pathlib
-import subprocess
-
+import fbgemm_replay
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,11 +24,7 @@ import pytest
 
 import lazy_optax
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
-DATA = ROOT / 'tests' / 'data'
-FIXTURE = DATA / 'fbgemm_rowwise_adagrad.npz'
-FBGEMM_PYTHON = os.environ.get('LAZY_OPTAX_FBGEMM_PYTHON',
-                               '/work/venvs/fbgemm/bin/python')
+FIXTURE = 'fbgemm_rowwise_adagrad.npz'
 
 # float32: FBGEMM and lazy_optax sum duplicates and means in different orders.
 RTOL = 2e-6
@@ -48,26 +41,11 @@ def _accumulator(state, num_rows):
 
 def _replay(data, jit):
   """rowwise_adagrad on the fixture's inputs: its tables and accumulators."""
-  table0 = data['table0']
-  num_rows = table0.shape[0]
+  num_rows = data['table0'].shape[0]
   tx = lazy_optax.rowwise_adagrad(float(data['learning_rate']),
                                   eps=float(data['eps']))
-
-  def step(params, state, ids, grads):
-    g = {'table': lazy_optax.SparseRows(ids, grads, num_rows=num_rows)}
-    updates, state = tx.update(g, state, params)
-    return lazy_optax.apply_updates(params, updates), state
-
-  if jit:
-    step = jax.jit(step, donate_argnums=(0, 1))
-  params = {'table': jnp.asarray(table0)}
-  state = tx.init(params)
-  tables, accumulators = [], []
-  for ids, grads in zip(data['ids'], data['grads']):
-    params, state = step(params, state, jnp.asarray(ids), jnp.asarray(grads))
-    tables.append(np.asarray(params['table']))
-    accumulators.append(np.asarray(_accumulator(state, num_rows)))
-  return np.stack(tables), np.stack(accumulators)
+  return fbgemm_replay.replay(tx, data, jit=jit, record=lambda state: {
+      'accumulators': _accumulator(state, num_rows)})
 
 
 def _float64_rule(data):
@@ -76,10 +54,7 @@ def _float64_rule(data):
   acc = np.zeros(w.shape[0])
   lr, eps = float(data['learning_rate']), float(data['eps'])
   tables, accumulators = [], []
-  for ids, grads in zip(data['ids'], data['grads']):
-    g = np.zeros_like(w)
-    np.add.at(g, ids, grads.astype(np.float64))
-    rows = np.unique(ids)
+  for g, rows in fbgemm_replay.dense_steps(data):
     acc[rows] += np.mean(g[rows] ** 2, axis=1)
     w[rows] -= lr * g[rows] / (np.sqrt(acc[rows])[:, None] + eps)
     tables.append(w.copy())
@@ -89,46 +64,38 @@ def _float64_rule(data):
 
 def _compare(data, jit):
   """Asserts lazy_optax equals FBGEMM's outputs; returns the max errors."""
-  tables, accumulators = _replay(data, jit)
-  want_t, want_a = data['tables'], data['accumulators']
-  np.testing.assert_allclose(tables, want_t, rtol=RTOL, atol=ATOL)
-  np.testing.assert_allclose(accumulators, want_a, rtol=RTOL, atol=ATOL)
+  got = _replay(data, jit)
+  tables, accumulators = got['tables'], got['accumulators']
+  np.testing.assert_allclose(tables, data['tables'], rtol=RTOL, atol=ATOL)
+  np.testing.assert_allclose(accumulators, data['accumulators'], rtol=RTOL,
+                             atol=ATOL)
   # Rows never looked up stay bit for bit, in the table and in G.
-  never = np.setdiff1d(np.arange(data['table0'].shape[0]), data['ids'])
-  assert never.size
-  np.testing.assert_array_equal(tables[:, never],
-                                np.broadcast_to(data['table0'][never],
-                                                tables[:, never].shape))
+  never = fbgemm_replay.assert_untouched(tables, data)
   assert not accumulators[:, never].any()
-  row_scale = np.abs(want_t).max(axis=-1, keepdims=True)
-  return {
-      'table_abs': float(np.abs(tables - want_t).max()),
-      'table_rel_to_row': float((np.abs(tables - want_t) / row_scale).max()),
-      'acc_rel': float((np.abs(accumulators - want_a)
-                        / np.maximum(np.abs(want_a), 1e-30)).max()),
-  }
+  errors = fbgemm_replay.table_errors(tables, data['tables'])
+  errors['acc_rel'] = fbgemm_replay.rel_error(accumulators,
+                                              data['accumulators'])
+  print(errors)
+  assert errors['table_rel_to_row'] < 1e-6 and errors['acc_rel'] < 1e-6, errors
+  return errors
 
 
 def test_fixture_is_a_hard_case():
   """Duplicates, untouched rows, late rows, tiny gradients; rows moved."""
-  data = np.load(FIXTURE)
+  data = fbgemm_replay.load(FIXTURE)
   ids, table0, tables = data['ids'], data['table0'], data['tables']
-  steps, n = ids.shape
-  assert steps >= 5 and all(np.unique(s).size < n for s in ids)
-  never = np.setdiff1d(np.arange(table0.shape[0]), ids)
-  assert never.size >= table0.shape[0] // 4
-  assert np.setdiff1d(ids[-1], ids[0]).size > 0        # rows first seen late
+  fbgemm_replay.assert_hard_case(data, min_steps=5,
+                                 min_never=table0.shape[0] // 4)
   touched = np.unique(ids)
   assert (np.abs(tables[-1][touched] - table0[touched]).max(axis=1) > 0).all()
   # The tiny-gradient row: sqrt(G) within 100x of eps, so eps shows.
   g_small = data['accumulators'][-1][data['accumulators'][-1] > 0].min()
   assert np.sqrt(g_small) < 100 * float(data['eps'])
-  assert str(data['fbgemm_version']) == '1.9.0'
 
 
 def test_fixture_follows_the_float64_rule():
   """FBGEMM's outputs are the rule lazy_optax documents (a float64 model)."""
-  data = np.load(FIXTURE)
+  data = fbgemm_replay.load(FIXTURE)
   tables, accumulators = _float64_rule(data)
   np.testing.assert_allclose(data['tables'], tables, rtol=1e-5, atol=1e-7)
   np.testing.assert_allclose(data['accumulators'], accumulators, rtol=1e-5,
@@ -137,26 +104,14 @@ def test_fixture_follows_the_float64_rule():
 
 @pytest.mark.parametrize('jit', [False, True], ids=['eager', 'jit'])
 def test_rowwise_adagrad_matches_fbgemm_fixture(jit):
-  errors = _compare(np.load(FIXTURE), jit)
-  print(errors)
-  assert errors['table_rel_to_row'] < 1e-6 and errors['acc_rel'] < 1e-6, errors
+  _compare(fbgemm_replay.load(FIXTURE), jit)
 
 
-@pytest.mark.skipif(not os.access(FBGEMM_PYTHON, os.X_OK),
-                    reason=f'no FBGEMM interpreter at {FBGEMM_PYTHON} (set '
-                    'LAZY_OPTAX_FBGEMM_PYTHON); the fixture test still runs')
+@fbgemm_replay.live
 def test_rowwise_adagrad_matches_live_fbgemm(tmp_path):
-  out = tmp_path / 'live.npz'
-  proc = subprocess.run(
-      [FBGEMM_PYTHON, str(DATA / 'make_fbgemm_fixture.py'), '--out', str(out),
-       '--seed', '7', '--rows', '400', '--row', '16', '--ids', '256',
-       '--steps', '8', '--learning-rate', '0.02'],
-      capture_output=True, text=True, timeout=600, check=False,
-      env=dict(os.environ, PYTHONPATH=''))
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  errors = _compare(np.load(out), jit=True)
-  print(errors)
-  assert errors['table_rel_to_row'] < 1e-6 and errors['acc_rel'] < 1e-6, errors
+  _compare(fbgemm_replay.make_live(
+      tmp_path, '--seed', '7', '--rows', '400', '--row', '16', '--ids', '256',
+      '--steps', '8', '--learning-rate', '0.02'), jit=True)
 
 
 # -- ROWWISE_RMSPROP_AR --------------------------------------------------------
@@ -167,35 +122,18 @@ def test_rowwise_adagrad_matches_live_fbgemm(tmp_path):
 # steps and more (the shrink reaches min_shrinkage), first seen late, never.
 # FBGEMM keeps `prev_iter` as float32; lazy_optax as int32 (equal here).
 
-AR_FIXTURE = DATA / 'fbgemm_rowwise_rmsprop_ar.npz'
+AR_FIXTURE = 'fbgemm_rowwise_rmsprop_ar.npz'
 
 
 def _ar_replay(data, jit, impl='auto'):
   """rowwise_rmsprop_ar on the inputs: its tables, v and prev_iter."""
-  table0 = data['table0']
-  num_rows = table0.shape[0]
   tx = lazy_optax.rowwise_rmsprop_ar(
       float(data['learning_rate']), ar_alpha=float(data['ar_alpha']),
       ema_beta=float(data['ema_beta']),
       min_shrinkage=float(data['min_shrinkage']), eps=float(data['eps']),
       impl=impl)
-
-  def step(params, state, ids, grads):
-    g = {'table': lazy_optax.SparseRows(ids, grads, num_rows=num_rows)}
-    updates, state = tx.update(g, state, params)
-    return lazy_optax.apply_updates(params, updates), state
-
-  if jit:
-    step = jax.jit(step, donate_argnums=(0, 1))
-  params = {'table': jnp.asarray(table0)}
-  state = tx.init(params)
-  out = {'tables': [], 'momentum': [], 'prev_iter': []}
-  for ids, grads in zip(data['ids'], data['grads']):
-    params, state = step(params, state, jnp.asarray(ids), jnp.asarray(grads))
-    out['tables'].append(np.asarray(params['table']))
-    out['momentum'].append(np.asarray(state.nu['table']))
-    out['prev_iter'].append(np.asarray(state.prev_iter['table']))
-  return {k: np.stack(v) for k, v in out.items()}
+  return fbgemm_replay.replay(tx, data, jit=jit, record=lambda state: {
+      'momentum': state.nu['table'], 'prev_iter': state.prev_iter['table']})
 
 
 def _ar_compare(data, jit, impl='auto'):
@@ -207,20 +145,12 @@ def _ar_compare(data, jit, impl='auto'):
                              atol=ATOL)
   np.testing.assert_allclose(got['momentum'], data['momentum'], rtol=RTOL,
                              atol=ATOL)
-  never = np.setdiff1d(np.arange(data['table0'].shape[0]), data['ids'])
-  assert never.size
-  np.testing.assert_array_equal(
-      got['tables'][:, never],
-      np.broadcast_to(data['table0'][never], got['tables'][:, never].shape))
-  want_t, want_v = data['tables'], data['momentum']
-  row_scale = np.abs(want_t).max(axis=-1, keepdims=True)
-  return {
-      'table_abs': float(np.abs(got['tables'] - want_t).max()),
-      'table_rel_to_row': float((np.abs(got['tables'] - want_t)
-                                 / row_scale).max()),
-      'v_rel': float((np.abs(got['momentum'] - want_v)
-                      / np.maximum(np.abs(want_v), 1e-30)).max()),
-  }
+  fbgemm_replay.assert_untouched(got['tables'], data)
+  errors = fbgemm_replay.table_errors(got['tables'], data['tables'])
+  errors['v_rel'] = fbgemm_replay.rel_error(got['momentum'], data['momentum'])
+  print(errors)
+  assert errors['table_rel_to_row'] < 2e-6 and errors['v_rel'] < 2e-6, errors
+  return errors
 
 
 def _ar_float64(data):
@@ -232,10 +162,7 @@ def _ar_float64(data):
   alpha, beta = float(data['ar_alpha']), float(data['ema_beta'])
   floor = float(data['min_shrinkage'])
   tables, vs, prevs = [], [], []
-  for t, (ids, grads) in enumerate(zip(data['ids'], data['grads']), start=1):
-    g = np.zeros_like(w)
-    np.add.at(g, ids, grads.astype(np.float64))
-    rows = np.unique(ids)
+  for t, (g, rows) in enumerate(fbgemm_replay.dense_steps(data), start=1):
     v[rows] = beta * v[rows] + (1 - beta) * np.mean(g[rows] ** 2, axis=1)
     gap = np.where(prev[rows] == 0, 1, t - prev[rows])
     keep = np.maximum(floor, 1 - np.clip(lr * alpha * gap, 0, 1))
@@ -250,13 +177,11 @@ def _ar_float64(data):
 
 def test_ar_fixture_is_a_hard_case():
   """Many steps, duplicates, long gaps that reach min_shrinkage."""
-  data = np.load(AR_FIXTURE)
+  data = fbgemm_replay.load(AR_FIXTURE)
   ids = data['ids']
-  steps, n = ids.shape
-  assert steps >= 30 and all(np.unique(s).size < n for s in ids)
+  fbgemm_replay.assert_hard_case(data, min_steps=30, min_never=4,
+                                 late_after=ids.shape[0] // 2)
   assert float(data['ar_alpha']) > 0
-  never = np.setdiff1d(np.arange(data['table0'].shape[0]), ids)
-  assert never.size >= 4
   # The longest gap between two visits of a row: past the clip at 1, so the
   # shrink is min_shrinkage there.
   last, longest = {}, 0
@@ -266,14 +191,12 @@ def test_ar_fixture_is_a_hard_case():
       last[int(r)] = t
   lr, alpha = float(data['learning_rate']), float(data['ar_alpha'])
   assert lr * alpha * longest > 1 - float(data['min_shrinkage'])
-  assert np.setdiff1d(ids[-1], ids[: steps // 2]).size > 0  # first seen late
-  assert str(data['fbgemm_version']) == '1.9.0'
 
 
 def test_ar_fixture_follows_the_float64_rule():
   """FBGEMM's outputs are the rule lazy_optax documents, exactly so: the
   step counter from 1, I = 1 for a new row, eps outside the root."""
-  data = np.load(AR_FIXTURE)
+  data = fbgemm_replay.load(AR_FIXTURE)
   tables, vs, prevs = _ar_float64(data)
   np.testing.assert_allclose(data['tables'], tables, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(data['momentum'], vs, rtol=1e-5, atol=1e-9)
@@ -285,25 +208,13 @@ def test_ar_fixture_follows_the_float64_rule():
 def test_rowwise_rmsprop_ar_matches_fbgemm_fixture(jit, impl):
   if impl == 'cpu_kernel':
     assert lazy_optax.kernel_status()['cpu_kernel'].available
-  errors = _ar_compare(np.load(AR_FIXTURE), jit, impl)
-  print(errors)
-  assert errors['table_rel_to_row'] < 2e-6 and errors['v_rel'] < 2e-6, errors
+  _ar_compare(fbgemm_replay.load(AR_FIXTURE), jit, impl)
 
 
-@pytest.mark.skipif(not os.access(FBGEMM_PYTHON, os.X_OK),
-                    reason=f'no FBGEMM interpreter at {FBGEMM_PYTHON} (set '
-                    'LAZY_OPTAX_FBGEMM_PYTHON); the fixture test still runs')
+@fbgemm_replay.live
 def test_rowwise_rmsprop_ar_matches_live_fbgemm(tmp_path):
-  out = tmp_path / 'live_ar.npz'
-  proc = subprocess.run(
-      [FBGEMM_PYTHON, str(DATA / 'make_fbgemm_fixture.py'),
-       '--rowwise-rmsprop-ar', '--out', str(out), '--seed', '7', '--rows',
-       '400', '--row', '16', '--ids', '256', '--steps', '60',
-       '--learning-rate', '0.02', '--ar-alpha', '1.5', '--ema-beta', '0.99',
-       '--min-shrinkage', '0.2'],
-      capture_output=True, text=True, timeout=600, check=False,
-      env=dict(os.environ, PYTHONPATH=''))
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  errors = _ar_compare(np.load(out), jit=True)
-  print(errors)
-  assert errors['table_rel_to_row'] < 2e-6 and errors['v_rel'] < 2e-6, errors
+  _ar_compare(fbgemm_replay.make_live(
+      tmp_path, '--rowwise-rmsprop-ar', '--seed', '7', '--rows', '400',
+      '--row', '16', '--ids', '256', '--steps', '60', '--learning-rate',
+      '0.02', '--ar-alpha', '1.5', '--ema-beta', '0.99', '--min-shrinkage',
+      '0.2'), jit=True)
