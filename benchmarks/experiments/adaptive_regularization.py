@@ -24,8 +24,6 @@ tail). Every run has the same data, initialization and batch order. With
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 import time
 
 from benchmarks.experiments import ctr_stream
@@ -46,39 +44,10 @@ def optimizers(lr_rms: float, lr_adagrad: float,
 
 def run(samples: int, epochs: int, lr_rms: float, lr_adagrad: float,
         alphas: tuple[float, ...], batch_size: int) -> dict:
-  """{name: {'all': [...], 'tail': [...], 'seconds': s}}."""
-  split = ctr_stream.make_split(samples)
-  tail = ctr_stream.rare_rows_mask(split, 2)
-  results = {'samples': samples, 'rows': split.num_rows,
-             'tail_fraction': float(tail.mean()), 'runs': {}}
-  for name, tx in optimizers(lr_rms, lr_adagrad, alphas).items():
-    r = ctr_stream.train(tx, split, batch_size=batch_size, epochs=epochs,
-                         masks={'tail': tail})
-    results['runs'][name] = r
-    print(f"{name:28s} held-out {' '.join(f'{x:.4f}' for x in r['all'])}  "
-          f"tail {' '.join(f'{x:.4f}' for x in r['tail'])}  "
-          f"({r['seconds']:.0f} s)")
-    sys.stdout.flush()
-  return results
-
-
-def plot(results: dict, path: str) -> None:
-  """Held-out loss per epoch, all samples and the tail, one line a run."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for ax, key, title in ((axes[0], 'all', 'all held-out samples'),
-                         (axes[1], 'tail', 'samples with an id seen <= 2x')):
-    for name, r in results['runs'].items():
-      ax.plot(range(1, len(r[key]) + 1), r[key], marker='o', label=name)
-    ax.set_xlabel('epoch')
-    ax.set_ylabel('held-out log loss')
-    ax.set_title(title)
-    ax.set_xticks(range(1, len(r[key]) + 1))
-  axes[0].legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  """`ctr_stream.compare_on_tail` of the optimizers."""
+  return ctr_stream.compare_on_tail(
+      optimizers(lr_rms, lr_adagrad, alphas), samples, epochs=epochs,
+      batch_size=batch_size)
 
 
 def main() -> None:
@@ -89,8 +58,7 @@ def main() -> None:
   parser.add_argument('--lr-rms', type=float, default=0.01)
   parser.add_argument('--lr-adagrad', type=float, default=0.05)
   parser.add_argument('--alphas', default='0.1,1,10')
-  parser.add_argument('--plot', default=None)
-  parser.add_argument('--json', default=None)
+  ctr_stream.add_output_args(parser)
   args = parser.parse_args()
   start = time.perf_counter()
   results = run(args.samples, args.epochs, args.lr_rms, args.lr_adagrad,
@@ -99,11 +67,7 @@ def main() -> None:
   print(f"{results['rows']} rows, {results['tail_fraction']:.1%} of held-out "
         f'samples hold an id seen at most twice; '
         f'{time.perf_counter() - start:.0f} s in all')
-  if args.json:
-    with open(args.json, 'w', encoding='utf-8') as f:
-      json.dump(results, f, indent=1)
-  if args.plot:
-    plot(results, args.plot)
+  ctr_stream.write_outputs(results, args, ctr_stream.plot_epochs)
 
 
 if __name__ == '__main__':

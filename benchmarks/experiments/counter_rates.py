@@ -24,7 +24,6 @@ rare rows a larger step lowers the tail's loss against the constant rate.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import optax
@@ -63,37 +62,10 @@ def with_dense_bias(table_tx: Any) -> optax.GradientTransformation:
 
 
 def run(samples: int, epochs: int, freq: int) -> dict[str, Any]:
-  split = ctr_stream.make_split(samples)
-  tail = ctr_stream.rare_rows_mask(split, 2)
-  out: dict[str, Any] = {'samples': len(split.train),
-                         'tail_share': float(tail.mean()), 'runs': {}}
-  for name, tx in contenders(freq).items():
-    result = ctr_stream.train(with_dense_bias(tx), split, epochs=epochs,
-                              masks={'tail': tail})
-    out['runs'][name] = result
-    print(f'{name:28s} all {result["all"][-1]:.4f}  tail '
-          f'{result["tail"][-1]:.4f}  ({result["seconds"]:.1f} s)',
-          flush=True)
-  return out
-
-
-def plot(out: dict[str, Any], path: str) -> None:
-  """Held-out loss per epoch, all samples and the tail, one line a rule."""
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-  for ax, key in zip(axes, ('all', 'tail')):
-    for name, result in out['runs'].items():
-      ax.plot(range(1, len(result[key]) + 1), result[key], marker='o',
-              label=name)
-    ax.set_xlabel('epoch')
-    ax.set_ylabel('held-out cross-entropy')
-    ax.set_title('all held-out samples' if key == 'all' else
-                 f'tail: an id seen <= 2 times ({out["tail_share"]:.0%})')
-  axes[0].legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=80)
+  """`ctr_stream.compare_on_tail` of the rules, Adam on the dense bias."""
+  return ctr_stream.compare_on_tail(
+      {name: with_dense_bias(tx) for name, tx in contenders(freq).items()},
+      samples, epochs=epochs)
 
 
 def main() -> None:
@@ -101,15 +73,10 @@ def main() -> None:
   parser.add_argument('--samples', type=int, default=200_000)
   parser.add_argument('--epochs', type=int, default=3)
   parser.add_argument('--max-counter-update-freq', type=int, default=20)
-  parser.add_argument('--plot', default=None, help='a .png to draw')
-  parser.add_argument('--json', default=None, help='a .json to write')
+  ctr_stream.add_output_args(parser)
   args = parser.parse_args()
   out = run(args.samples, args.epochs, args.max_counter_update_freq)
-  if args.json:
-    with open(args.json, 'w', encoding='utf-8') as f:
-      json.dump(out, f, indent=1)
-  if args.plot:
-    plot(out, args.plot)
+  ctr_stream.write_outputs(out, args, ctr_stream.plot_epochs)
 
 
 if __name__ == '__main__':

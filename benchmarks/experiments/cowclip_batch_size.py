@@ -33,7 +33,6 @@ import time
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -99,46 +98,34 @@ def methods(lr0: float, num_rows: int, coefs: tuple[float, ...]
 
 def run(samples: int, epochs: int, lr0: float,
         coefs: tuple[float, ...]) -> dict:
+  """`{'METHOD BATCH': {method, batch, loss, auc, cpu_s}}` after the last
+  epoch; one JSON line is printed a run."""
   split = ctr_stream.make_split(samples)
   model = ctr_stream.FactorizationMachine()
+  metrics = {'auc': lambda params: held_out_auc(model, params, split.test)}
   out: dict = {}
   for name, make in methods(lr0, split.num_rows, coefs).items():
     for batch in BATCH_SIZES:
       tx, takes_ids = make(batch / BATCH_SIZES[0])
       start = time.process_time()
-      got = _train(tx, split, model, batch, epochs, takes_ids)
+      got = ctr_stream.train(
+          tx, split, batch_size=batch, epochs=epochs, model=model,
+          extra_args=_batch_ids if takes_ids else None, metrics=metrics)
       out[f'{name} {batch}'] = dict(
-          method=name, batch=batch, loss=got['loss'], auc=got['auc'],
+          method=name, batch=batch, loss=got['all'][-1], auc=got['auc'][-1],
           cpu_s=time.process_time() - start)
       print(json.dumps(out[f'{name} {batch}']), flush=True)
   return out
 
 
-def _train(tx, split, model, batch, epochs, takes_ids) -> dict:
-  params = model.init(split.num_rows, 0)
-  state = tx.init(params)
-  grad_fn = lazy_optax.value_and_grad(model.loss)
-
-  def step(params, state, ids, clicks):
-    _, grads = grad_fn(params, ids, clicks)
-    extra = {'batch_ids': ids} if takes_ids else {}
-    updates, state = tx.update(grads, state, params, **extra)
-    return lazy_optax.apply_updates(params, updates), state
-
-  step = jax.jit(step, donate_argnums=(0, 1))
-  for epoch in range(epochs):
-    for b in ctr_stream.batches(split.train, batch, epoch):
-      params, state = step(params, state, jnp.asarray(b.ids),
-                           jnp.asarray(b.clicks))
-  return dict(loss=ctr_stream.held_out_loss(model, params, split.test),
-              auc=held_out_auc(model, params, split.test))
+def _batch_ids(ids: np.ndarray) -> dict:
+  """The extra argument of `with_batch_counts`'s update."""
+  return {'batch_ids': ids}
 
 
 def plot(results: dict, path: str) -> None:
-  import matplotlib  # pylint: disable=g-import-not-at-top
-  matplotlib.use('Agg')
-  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
-  fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+  """Held-out loss and AUC against batch size, one line a method."""
+  fig, axes = ctr_stream.figure(11, 4.5)
   names = sorted({r['method'] for r in results.values()})
   for name in names:
     rows = [r for r in results.values() if r['method'] == name]
@@ -151,9 +138,7 @@ def plot(results: dict, path: str) -> None:
     ax.set_xlabel('batch size (fixed epochs)')
     ax.set_ylabel(key)
     ax.grid(True, alpha=0.3)
-  axes[0].legend(fontsize=7)
-  fig.tight_layout()
-  fig.savefig(path, dpi=100)
+  ctr_stream.save_figure(fig, axes, path, legend_size=7)
 
 
 def main() -> None:
@@ -163,16 +148,11 @@ def main() -> None:
   parser.add_argument('--lr0', type=float, default=2e-3)
   parser.add_argument('--coefs', default='1,0.01,0.0001',
                       help="CowClip's ratios r, comma-separated")
-  parser.add_argument('--plot', default='')
-  parser.add_argument('--json', default='')
+  ctr_stream.add_output_args(parser)
   args = parser.parse_args()
   results = run(args.samples, args.epochs, args.lr0,
                 tuple(float(c) for c in args.coefs.split(',')))
-  if args.json:
-    with open(args.json, 'w', encoding='utf-8') as f:
-      json.dump(results, f, indent=1)
-  if args.plot:
-    plot(results, args.plot)
+  ctr_stream.write_outputs(results, args, plot)
 
 
 if __name__ == '__main__':

@@ -15,6 +15,12 @@ ids are rare and a few are frequent, as in ads and recommendation logs.
   `lazy_optax.value_and_grad`) and returns the held-out loss after each
   epoch; `held_out_loss` and `rare_rows_mask` evaluate on all held-out
   samples or on those that hold a rare id.
+* `compare_on_tail(contenders, samples)` trains each optimizer on one split
+  and reports every held-out sample and the tail (samples holding an id
+  seen at most twice); `plot_epochs` draws those curves.
+* `add_output_args` and `write_outputs` give each experiment its `--json`
+  and `--plot` outputs; `figure` and `save_figure` frame a plot
+  (matplotlib, an extra, imported only when a plot is asked for).
 
 Smoke run (prints one epoch of `lazy_adam`):
 
@@ -24,6 +30,7 @@ Smoke run (prints one epoch of `lazy_adam`):
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
@@ -183,13 +190,15 @@ def rare_rows_mask(split: Split, max_count: int) -> np.ndarray:
 
 
 ExtraArgs = Callable[[np.ndarray], dict]
+Metric = Callable[[dict], float]
 
 
 def train(tx: optax.GradientTransformation, split: Split, *,
           batch_size: int = 1024, epochs: int = 3,
           model: Optional[FactorizationMachine] = None,
           extra_args: Optional[ExtraArgs] = None,
-          masks: Optional[dict] = None, seed: int = 0) -> dict:
+          masks: Optional[dict] = None,
+          metrics: Optional[dict[str, Metric]] = None, seed: int = 0) -> dict:
   """Trains `model` with `tx`; held-out losses after each epoch.
 
   Args:
@@ -202,10 +211,12 @@ def train(tx: optax.GradientTransformation, split: Split, *,
       transformations that take extra arguments), or None.
     masks: `{name: bool mask over split.test}`: also report the held-out loss
       of those samples (e.g. `rare_rows_mask`).
+    metrics: `{name: params -> float}`: also report these after each epoch.
     seed: seed of the initialization and of the batch order.
 
   Returns:
-    `{'all': [loss after epoch 1, ...], name: [...] per mask, 'seconds': s}`.
+    `{'all': [loss after epoch 1, ...], name: [...] per mask and metric,
+    'seconds': s}`.
   """
   model = model or FactorizationMachine()
   params = model.init(split.num_rows, seed)
@@ -219,7 +230,7 @@ def train(tx: optax.GradientTransformation, split: Split, *,
 
   step = jax.jit(step, donate_argnums=(0, 1))
   out: dict[str, Any] = {'all': []}
-  out.update({name: [] for name in masks or {}})
+  out.update({name: [] for name in {**(masks or {}), **(metrics or {})}})
   start = time.perf_counter()
   for epoch in range(epochs):
     for batch in batches(split.train, batch_size, seed * 1000 + epoch):
@@ -228,8 +239,93 @@ def train(tx: optax.GradientTransformation, split: Split, *,
     out['all'].append(held_out_loss(model, params, split.test))
     for name, mask in (masks or {}).items():
       out[name].append(held_out_loss(model, params, split.test, mask))
+    for name, metric in (metrics or {}).items():
+      out[name].append(metric(params))
   out['seconds'] = time.perf_counter() - start
   return out
+
+
+def compare_on_tail(contenders: dict[str, optax.GradientTransformation],
+                    samples: int, *, epochs: int, batch_size: int = 1024,
+                    tail_count: int = 2) -> dict:
+  """Trains each contender on one split (same data, initialization, order).
+
+  Args:
+    contenders: `{name: optimizer}`.
+    samples: samples of the split (`make_split`), training and held-out.
+    epochs: passes over the training samples.
+    batch_size: samples per step.
+    tail_count: the tail is the held-out samples holding an id seen at most
+      this many times in training.
+
+  Returns:
+    `{'samples', 'rows', 'tail_count', 'tail_fraction', 'runs': {name:
+    train(...) with a 'tail' entry}}`; one line a contender is printed.
+  """
+  split = make_split(samples)
+  tail = rare_rows_mask(split, tail_count)
+  results: dict[str, Any] = {
+      'samples': samples, 'rows': split.num_rows, 'tail_count': tail_count,
+      'tail_fraction': float(tail.mean()), 'runs': {}}
+  for name, tx in contenders.items():
+    r = train(tx, split, batch_size=batch_size, epochs=epochs,
+              masks={'tail': tail})
+    results['runs'][name] = r
+    print(f"{name:28s} held-out {' '.join(f'{x:.4f}' for x in r['all'])}  "
+          f"tail {' '.join(f'{x:.4f}' for x in r['tail'])}  "
+          f"({r['seconds']:.1f} s)", flush=True)
+  return results
+
+
+def figure(width: float = 10.0, height: float = 4.0) -> tuple[Any, Any]:
+  """A figure of two panels side by side (matplotlib on Agg)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use('Agg')
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  return plt.subplots(1, 2, figsize=(width, height))
+
+
+def save_figure(fig: Any, axes: Any, path: str, legend_size: int = 8
+                ) -> None:
+  """Legend in the first panel, tight layout, written to `path`."""
+  axes[0].legend(fontsize=legend_size)
+  fig.tight_layout()
+  fig.savefig(path, dpi=100)
+
+
+def plot_epochs(results: dict, path: str) -> None:
+  """`compare_on_tail`'s held-out loss per epoch, all samples and the tail,
+  one line a contender."""
+  fig, axes = figure()
+  tail_title = (f"tail: an id seen <= {results['tail_count']}x "
+                f"({results['tail_fraction']:.0%} of samples)")
+  for ax, key, title in ((axes[0], 'all', 'all held-out samples'),
+                         (axes[1], 'tail', tail_title)):
+    for name, r in results['runs'].items():
+      epochs = range(1, len(r[key]) + 1)
+      ax.plot(epochs, r[key], marker='o', label=name)
+      ax.set_xticks(epochs)
+    ax.set_xlabel('epoch')
+    ax.set_ylabel('held-out log loss')
+    ax.set_title(title)
+  save_figure(fig, axes, path)
+
+
+def add_output_args(parser: argparse.ArgumentParser) -> None:
+  """`--json PATH` and `--plot PATH` (a .png), both optional."""
+  parser.add_argument('--json', default=None, help='a .json to write')
+  parser.add_argument('--plot', default=None, help='a .png to draw')
+
+
+def write_outputs(results: dict, args: argparse.Namespace,
+                  plot: Callable[[dict, str], None]) -> None:
+  """Writes `results` to `args.json` and `plot(results, args.plot)`, each
+  where asked for (`add_output_args`)."""
+  if args.json:
+    with open(args.json, 'w', encoding='utf-8') as f:
+      json.dump(results, f, indent=1)
+  if args.plot:
+    plot(results, args.plot)
 
 
 def main() -> None:
