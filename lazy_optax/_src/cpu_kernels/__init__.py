@@ -297,7 +297,8 @@ def pack(target: str, hyper: Any) -> jax.Array:
 
 
 def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
-         params: jax.Array, tables: tuple[jax.Array, ...]
+         params: jax.Array, tables: tuple[jax.Array, ...], *,
+         params_at_ids: bool = False
          ) -> tuple[tuple[jax.Array, ...], jax.Array]:
   """Runs rule kernel `target`: updates `tables` in place at `ids`' rows.
 
@@ -308,9 +309,11 @@ def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
     hyper: `pack(target, record)` (a float32 vector is taken as its bits,
       for records of float32 fields only).
     params: the parameter rows, shaped as `grads` (rules that read none get
-      `grads`).
+      `grads`); with `params_at_ids`, the whole float32 parameter table.
     tables: the rule's state tables, in the order of its C++ `kPerRow`
       (float32 or bfloat16; int32 for the tables its `kInt32` marks).
+    params_at_ids: whether `params` is the parameter table `[R, ...]`, read
+      at `ids` by the kernel (no gathered copy of its rows).
 
   Returns:
     `(new tables, updates)`: the tables (aliased to the inputs) and the
@@ -324,5 +327,6 @@ def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
     hyper = jax.lax.bitcast_convert_type(hyper.astype(jnp.float32),
                                          jnp.uint32)
   out = call(ids.astype(jnp.int32), grads.astype(jnp.float32), hyper,
-             params.astype(jnp.float32), *tables)
+             params.astype(jnp.float32), *tables,
+             params_at_ids=bool(params_at_ids))
   return tuple(out[1:]), out[0]

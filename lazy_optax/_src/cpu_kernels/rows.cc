@@ -534,7 +534,11 @@ ffi::Error AddStochastic(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
 // (float32; rules that read none get `g` again) and its state tables, each
 // `[R, W]` (a value per entry) or `[R]` (one per row). It updates the tables
 // in place at the ids' rows and returns them, after the update rows [N, W]
-// (float32; zeros where the id names no row).
+// (float32; zeros where the id names no row). With the attribute
+// `params_at_ids`, the parameter operand is the whole parameter table
+// [R, W] instead, and the loop reads (and prefetches) row `ids[s]` of it
+// where the rule reads the slot's parameters: no gathered copy of the rows
+// (an FFI operand is the table's own memory).
 //
 // A rule is a struct with
 //   Hyper        its hyperparameter record, declared with LAZY_OPTAX_HYPER
@@ -631,6 +635,20 @@ inline float SumOfSquares(const float* __restrict__ x, int64_t w) {
   return sum;
 }
 
+// What a rule's Row reads besides its rows: the Hyper record, or, where the
+// rule declares `struct Prepared` and `static Prepared Prepare(const Hyper&)`,
+// values derived from it once per call (so that no row recomputes them).
+template <typename Rule, typename = void>
+struct PreparedOf {
+  using T = typename Rule::Hyper;
+  static T Of(const typename Rule::Hyper& h) { return h; }
+};
+template <typename Rule>
+struct PreparedOf<Rule, std::void_t<typename Rule::Prepared>> {
+  using T = typename Rule::Prepared;
+  static T Of(const typename Rule::Hyper& h) { return Rule::Prepare(h); }
+};
+
 // How many state tables `Rule` takes: its kPerRow's size, or none.
 template <typename Rule, typename = void>
 struct NumTables : std::integral_constant<size_t, 0> {};
@@ -640,13 +658,16 @@ struct NumTables<Rule, std::void_t<decltype(Rule::kPerRow)>>
 
 template <typename Rule, typename... S, size_t... I>
 void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
-              int64_t rows, int64_t w, const typename Rule::Hyper& h,
-              const float* g, const float* params, float* out,
-              std::index_sequence<I...>, typename S::T*... tables) {
+              int64_t rows, int64_t w,
+              const typename PreparedOf<Rule>::T& h,
+              const float* g, const float* params, bool params_at_ids,
+              float* out, std::index_sequence<I...>,
+              typename S::T*... tables) {
   // Values per table row: one (per row) or w (per entry).
   const std::array<int64_t, sizeof...(I)> width = {
       (Rule::kPerRow[I] ? int64_t{1} : w)...};
   const float inv_w = 1.0f / static_cast<float>(w);
+  const int64_t param_bytes = w * static_cast<int64_t>(sizeof(float));
   ParallelFor(pool, n, w, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       if (s + kPrefetchAhead < end && Named(ids[s + kPrefetchAhead], rows)) {
@@ -654,10 +675,13 @@ void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
         (Prefetch(tables, a,
                   width[I] * static_cast<int64_t>(sizeof(typename S::T)), true),
          ...);
+        if (params_at_ids) Prefetch(params, a, param_bytes, false);
       }
       const int64_t r = ids[s];
       if (!Named(ids[s], rows)) continue;
-      Rule::Row(h, RowIo{g + s * w, params + s * w, out + s * w, w, inv_w},
+      // The parameter rows: the table's row r, or the slot's own row.
+      const float* p = params + (params_at_ids ? r : s) * w;
+      Rule::Row(h, RowIo{g + s * w, p, out + s * w, w, inv_w},
                 Row<S>{tables + r * width[I]}...);
     }
   });
@@ -692,7 +716,7 @@ template <typename Rule, size_t... I>
 ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
                    ffi::Buffer<ffi::S32>& ids, ffi::Buffer<ffi::F32>& g,
                    ffi::Buffer<ffi::U32>& hyper, ffi::Buffer<ffi::F32>& params,
-                   ffi::RemainingArgs& ins,
+                   bool params_at_ids, ffi::RemainingArgs& ins,
                    ffi::Result<ffi::Buffer<ffi::F32>>& updates,
                    ffi::RemainingRets& outs, std::index_sequence<I...> seq) {
   constexpr size_t kTables = sizeof...(I);
@@ -701,24 +725,29 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   };
   const Shape2 gs = AsRows(g.dimensions());
   const int64_t n = static_cast<int64_t>(ids.element_count());
+  const Shape2 ps = AsRows(params.dimensions());
   if (gs.rows != n || updates->element_count() != g.element_count() ||
-      params.element_count() != g.element_count()) {
+      (params_at_ids ? ps.width != gs.width
+                     : params.element_count() != g.element_count())) {
     return fail("gradient, parameter and update shapes");
   }
   if (hyper.element_count() * sizeof(uint32_t) !=
       sizeof(typename Rule::Hyper)) {
     return fail("hyperparameters (not the fields of its record)");
   }
-  typename Rule::Hyper h;
-  std::memcpy(&h, hyper.typed_data(), sizeof(h));
+  typename Rule::Hyper record;
+  std::memcpy(&record, hyper.typed_data(), sizeof(record));
+  const typename PreparedOf<Rule>::T h = PreparedOf<Rule>::Of(record);
   if (ins.size() != kTables || outs.size() != kTables) {
     return fail("state tables (a wrong count)");
   }
   std::array<ffi::DataType, kTables> types{};
   std::array<void*, kTables> data{};
-  // A rule without state computes every slot: its unused slots hold zero
-  // gradient and parameter rows.
-  int64_t rows = kTables ? -1 : std::numeric_limits<int64_t>::max();
+  // A rule without state computes every slot (its unused slots hold zero
+  // gradient and parameter rows), unless it reads the parameter table.
+  int64_t rows = kTables ? -1
+                 : params_at_ids ? ps.rows
+                                 : std::numeric_limits<int64_t>::max();
   if constexpr (kTables > 0) {
     for (size_t i = 0; i < kTables; ++i) {
       auto in = ins.get<ffi::AnyBuffer>(i);
@@ -726,7 +755,7 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
       if (!in.has_value() || !out.has_value()) return fail("state tables");
       const Shape2 t = AsRows(in->dimensions());
       if (rows < 0) rows = t.rows;
-      if (t.rows != rows ||
+      if (t.rows != rows || (params_at_ids && t.rows != ps.rows) ||
           t.width != (Rule::kPerRow[i] ? int64_t{1} : gs.width) ||
           (*out)->element_type() != in->element_type()) {
         return fail("state table shapes");
@@ -738,7 +767,7 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   auto run = [&](auto... s) {
     RuleRows<Rule, decltype(s)...>(
         pool, ids.typed_data(), n, rows, gs.width, h, g.typed_data(),
-        params.typed_data(), updates->typed_data(), seq,
+        params.typed_data(), params_at_ids, updates->typed_data(), seq,
         static_cast<typename decltype(s)::T*>(data[I])...);
     return ffi::Error::Success();
   };
@@ -751,11 +780,13 @@ struct RuleKernel {
   static ffi::Error Call(const char* name, ffi::ThreadPool pool,
                          ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> g,
                          ffi::Buffer<ffi::U32> hyper,
-                         ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,
+                         ffi::Buffer<ffi::F32> params, bool params_at_ids,
+                         ffi::RemainingArgs ins,
                          ffi::Result<ffi::Buffer<ffi::F32>> updates,
                          ffi::RemainingRets outs) {
     constexpr size_t kTables = NumTables<Rule>::value;
-    return RunRule<Rule>(name, pool, ids, g, hyper, params, ins, updates, outs,
+    return RunRule<Rule>(name, pool, ids, g, hyper, params, params_at_ids, ins,
+                         updates, outs,
                          std::make_index_sequence<kTables>());
   }
 };
@@ -998,10 +1029,37 @@ struct RowwiseAdagradCounterRule {
     return h.lr / (std::sqrt(h.adjustment_ub * c) + h.eps);
   }
 
+  // AdagradW's catch-up decay (1 - wd lr)^j for the gaps j < kPowers,
+  // computed once per call by the same std::pow the row would call.
+  static constexpr int kPowers = 64;
+  struct Prepared {
+    Hyper h;
+    float decay_pow[kPowers];
+  };
+  static Prepared Prepare(const Hyper& h) {
+    Prepared p{h, {}};
+    if (h.enabled != 0.0f && h.decay_mode == 3.0f) {
+      const float base = 1.0f - h.wd * h.lr;
+      for (int j = 0; j < kPowers; ++j) {
+        p.decay_pow[j] = std::pow(base, static_cast<float>(j));
+      }
+    }
+    return p;
+  }
+
+  // std::pow(base, e) for e = k - 1 (an integer-valued float).
+  static float DecayPow(const Prepared& p, float base, float e) {
+    if (e >= 0.0f && e < static_cast<float>(kPowers)) {
+      return p.decay_pow[static_cast<int>(e)];
+    }
+    return std::pow(base, e);
+  }
+
   template <typename A, typename C, typename P>
-  __attribute__((always_inline)) static void Row(const Hyper& h,
+  __attribute__((always_inline)) static void Row(const Prepared& prepared,
                                                  const RowIo& io, A acc,
                                                  C counter, P last) {
+    const Hyper& h = prepared.h;
     const int64_t w = io.w;
     const int32_t prev = last[0];
     const float d = static_cast<float>(prev == 0 ? 1 : h.step - prev);
@@ -1023,7 +1081,7 @@ struct RowwiseAdagradCounterRule {
           adj = std::min(h.lr * c, h.adjustment_ub) / denom;
         const float base = 1.0f - h.wd * h.lr;
         const float k = std::min(d, static_cast<float>(h.catch_up_cap));
-        const float lazy = std::pow(base, k - 1.0f);
+        const float lazy = DecayPow(prepared, base, k - 1.0f);
         adj *= lazy;
         corr = base * lazy;
       } else if (h.decay_mode == 2.0f || h.decay_mode == 1.0f) {
@@ -1096,9 +1154,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddStochastic, AddStochastic,
       ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,                      \
       ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::U32> hyper,                 \
       ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,                 \
-      ffi::Result<ffi::Buffer<ffi::F32>> updates, ffi::RemainingRets outs) { \
-    return RuleKernel<Rule>::Call(#Symbol, pool, ids, g, hyper, params, ins, \
-                                  updates, outs);                           \
+      ffi::Result<ffi::Buffer<ffi::F32>> updates, ffi::RemainingRets outs,  \
+      bool params_at_ids) {                                                 \
+    return RuleKernel<Rule>::Call(#Symbol, pool, ids, g, hyper, params,     \
+                                  params_at_ids, ins, updates, outs);       \
   }                                                                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Symbol##Impl,                       \
                                 ffi::Ffi::Bind()                            \
@@ -1109,7 +1168,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddStochastic, AddStochastic,
                                     .Arg<ffi::Buffer<ffi::F32>>()           \
                                     .RemainingArgs()                        \
                                     .Ret<ffi::Buffer<ffi::F32>>()           \
-                                    .RemainingRets());                      \
+                                    .RemainingRets()                        \
+                                    .Attr<bool>("params_at_ids"));          \
   extern "C" const char* Symbol##Fields() { return Rule::kFields; }
 
 LAZY_OPTAX_RULE(LazyOptaxAdam, AdamRule)
