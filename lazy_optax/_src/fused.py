@@ -319,22 +319,17 @@ def _kernel_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
     raise ValueError(f'{rule.name}: the kernel takes tables {names}, the '
                      f'rule was given {sorted(tables)}.')
   h = cpu_kernels.pack(target, rule.kernel_hyper(hyper))
-  # Rules that read no parameter rows get the gradient rows in their place;
-  # those that do, where they can, the parameter table itself.
-  param_table = _param_table(rule, params, where)
-  at_ids = param_table is not None
-  p = (param_table if at_ids else params) if rule.needs_params else g
+  # Rules that read no parameter rows get the gradient rows in their place.
+  p = params if rule.needs_params else g
 
   def on_cpu(ids, g, h, p, *ts):
-    return cpu_kernels.rule(target, ids, g, h, p, ts, params_at_ids=at_ids)
+    return cpu_kernels.rule(target, ids, g, h, p, ts)
 
   if where.kind == 'explicit':
     on_cpu = _per_shard(on_cpu, where, len(names))
 
   def elsewhere(ids, g, h, p, *ts):
     del h
-    if at_ids:
-      p = row_ops.gather(p, ids, backend)
     new, u = _xla_tables(rule, g, dict(zip(names, ts)), ids,
                          p if rule.needs_params else params, hyper,
                          reread=_row_bytes(g) >= REGATHER_MIN_ROW_BYTES,
@@ -345,20 +340,6 @@ def _kernel_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
       ids, g.astype(jnp.float32), h, p, *(tables[k] for k in names),
       cpu=on_cpu, default=elsewhere)
   return dict(zip(names, new)), u.astype(g.dtype)
-
-
-def _param_table(rule: RowRule, params: Any, where: Placement
-                 ) -> Optional[jax.Array]:
-  """The parameter table whose rows `params` are, for the kernel to read at
-  the ids itself (an FFI operand is the table's memory: no gathered copy),
-  or None: the rule reads no parameters, the rows were not gathered by
-  `lazy`, the table is not float32, or each device runs its own rows."""
-  if not rule.needs_params or where.kind == 'explicit':
-    return None
-  block = block_of(params)
-  if block is None or jnp.dtype(block.table.dtype) != jnp.dtype(jnp.float32):
-    return None
-  return block.table
 
 
 def _per_shard(kernel: Callable[..., Any], where: Placement,

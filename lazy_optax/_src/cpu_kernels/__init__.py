@@ -297,8 +297,7 @@ def pack(target: str, hyper: Any) -> jax.Array:
 
 
 def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
-         params: jax.Array, tables: tuple[jax.Array, ...], *,
-         params_at_ids: bool = False
+         params: jax.Array, tables: tuple[jax.Array, ...]
          ) -> tuple[tuple[jax.Array, ...], jax.Array]:
   """Runs rule kernel `target`: updates `tables` in place at `ids`' rows.
 
@@ -309,11 +308,9 @@ def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
     hyper: `pack(target, record)` (a float32 vector is taken as its bits,
       for records of float32 fields only).
     params: the parameter rows, shaped as `grads` (rules that read none get
-      `grads`); with `params_at_ids`, the whole float32 parameter table.
+      `grads`).
     tables: the rule's state tables, in the order of its C++ `kPerRow`
       (float32 or bfloat16; int32 for the tables its `kInt32` marks).
-    params_at_ids: whether `params` is the parameter table `[R, ...]`, read
-      at `ids` by the kernel (no gathered copy of its rows).
 
   Returns:
     `(new tables, updates)`: the tables (aliased to the inputs) and the
@@ -327,6 +324,5 @@ def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
     hyper = jax.lax.bitcast_convert_type(hyper.astype(jnp.float32),
                                          jnp.uint32)
   out = call(ids.astype(jnp.int32), grads.astype(jnp.float32), hyper,
-             params.astype(jnp.float32), *tables,
-             params_at_ids=bool(params_at_ids))
+             params.astype(jnp.float32), *tables)
   return tuple(out[1:]), out[0]

@@ -534,11 +534,7 @@ ffi::Error AddStochastic(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
 // (float32; rules that read none get `g` again) and its state tables, each
 // `[R, W]` (a value per entry) or `[R]` (one per row). It updates the tables
 // in place at the ids' rows and returns them, after the update rows [N, W]
-// (float32; zeros where the id names no row). With the attribute
-// `params_at_ids`, the parameter operand is the whole parameter table
-// [R, W] instead, and the loop reads (and prefetches) row `ids[s]` of it
-// where the rule reads the slot's parameters: no gathered copy of the rows
-// (an FFI operand is the table's own memory).
+// (float32; zeros where the id names no row).
 //
 // A rule is a struct with
 //   Hyper        its hyperparameter record, declared with LAZY_OPTAX_HYPER
@@ -659,15 +655,13 @@ struct NumTables<Rule, std::void_t<decltype(Rule::kPerRow)>>
 template <typename Rule, typename... S, size_t... I>
 void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
               int64_t rows, int64_t w,
-              const typename PreparedOf<Rule>::T& h,
-              const float* g, const float* params, bool params_at_ids,
-              float* out, std::index_sequence<I...>,
+              const typename PreparedOf<Rule>::T& h, const float* g,
+              const float* params, float* out, std::index_sequence<I...>,
               typename S::T*... tables) {
   // Values per table row: one (per row) or w (per entry).
   const std::array<int64_t, sizeof...(I)> width = {
       (Rule::kPerRow[I] ? int64_t{1} : w)...};
   const float inv_w = 1.0f / static_cast<float>(w);
-  const int64_t param_bytes = w * static_cast<int64_t>(sizeof(float));
   ParallelFor(pool, n, w, [&](int64_t begin, int64_t end) {
     for (int64_t s = begin; s < end; ++s) {
       if (s + kPrefetchAhead < end && Named(ids[s + kPrefetchAhead], rows)) {
@@ -675,13 +669,10 @@ void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
         (Prefetch(tables, a,
                   width[I] * static_cast<int64_t>(sizeof(typename S::T)), true),
          ...);
-        if (params_at_ids) Prefetch(params, a, param_bytes, false);
       }
       const int64_t r = ids[s];
       if (!Named(ids[s], rows)) continue;
-      // The parameter rows: the table's row r, or the slot's own row.
-      const float* p = params + (params_at_ids ? r : s) * w;
-      Rule::Row(h, RowIo{g + s * w, p, out + s * w, w, inv_w},
+      Rule::Row(h, RowIo{g + s * w, params + s * w, out + s * w, w, inv_w},
                 Row<S>{tables + r * width[I]}...);
     }
   });
@@ -716,7 +707,7 @@ template <typename Rule, size_t... I>
 ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
                    ffi::Buffer<ffi::S32>& ids, ffi::Buffer<ffi::F32>& g,
                    ffi::Buffer<ffi::U32>& hyper, ffi::Buffer<ffi::F32>& params,
-                   bool params_at_ids, ffi::RemainingArgs& ins,
+                   ffi::RemainingArgs& ins,
                    ffi::Result<ffi::Buffer<ffi::F32>>& updates,
                    ffi::RemainingRets& outs, std::index_sequence<I...> seq) {
   constexpr size_t kTables = sizeof...(I);
@@ -725,10 +716,8 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   };
   const Shape2 gs = AsRows(g.dimensions());
   const int64_t n = static_cast<int64_t>(ids.element_count());
-  const Shape2 ps = AsRows(params.dimensions());
   if (gs.rows != n || updates->element_count() != g.element_count() ||
-      (params_at_ids ? ps.width != gs.width
-                     : params.element_count() != g.element_count())) {
+      params.element_count() != g.element_count()) {
     return fail("gradient, parameter and update shapes");
   }
   if (hyper.element_count() * sizeof(uint32_t) !=
@@ -743,11 +732,9 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   }
   std::array<ffi::DataType, kTables> types{};
   std::array<void*, kTables> data{};
-  // A rule without state computes every slot (its unused slots hold zero
-  // gradient and parameter rows), unless it reads the parameter table.
-  int64_t rows = kTables ? -1
-                 : params_at_ids ? ps.rows
-                                 : std::numeric_limits<int64_t>::max();
+  // A rule without state computes every slot: its unused slots hold zero
+  // gradient and parameter rows.
+  int64_t rows = kTables ? -1 : std::numeric_limits<int64_t>::max();
   if constexpr (kTables > 0) {
     for (size_t i = 0; i < kTables; ++i) {
       auto in = ins.get<ffi::AnyBuffer>(i);
@@ -755,7 +742,7 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
       if (!in.has_value() || !out.has_value()) return fail("state tables");
       const Shape2 t = AsRows(in->dimensions());
       if (rows < 0) rows = t.rows;
-      if (t.rows != rows || (params_at_ids && t.rows != ps.rows) ||
+      if (t.rows != rows ||
           t.width != (Rule::kPerRow[i] ? int64_t{1} : gs.width) ||
           (*out)->element_type() != in->element_type()) {
         return fail("state table shapes");
@@ -767,7 +754,7 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   auto run = [&](auto... s) {
     RuleRows<Rule, decltype(s)...>(
         pool, ids.typed_data(), n, rows, gs.width, h, g.typed_data(),
-        params.typed_data(), params_at_ids, updates->typed_data(), seq,
+        params.typed_data(), updates->typed_data(), seq,
         static_cast<typename decltype(s)::T*>(data[I])...);
     return ffi::Error::Success();
   };
@@ -780,13 +767,11 @@ struct RuleKernel {
   static ffi::Error Call(const char* name, ffi::ThreadPool pool,
                          ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> g,
                          ffi::Buffer<ffi::U32> hyper,
-                         ffi::Buffer<ffi::F32> params, bool params_at_ids,
-                         ffi::RemainingArgs ins,
+                         ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,
                          ffi::Result<ffi::Buffer<ffi::F32>> updates,
                          ffi::RemainingRets outs) {
     constexpr size_t kTables = NumTables<Rule>::value;
-    return RunRule<Rule>(name, pool, ids, g, hyper, params, params_at_ids, ins,
-                         updates, outs,
+    return RunRule<Rule>(name, pool, ids, g, hyper, params, ins, updates, outs,
                          std::make_index_sequence<kTables>());
   }
 };
@@ -1154,10 +1139,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddStochastic, AddStochastic,
       ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,                      \
       ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::U32> hyper,                 \
       ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,                 \
-      ffi::Result<ffi::Buffer<ffi::F32>> updates, ffi::RemainingRets outs,  \
-      bool params_at_ids) {                                                 \
-    return RuleKernel<Rule>::Call(#Symbol, pool, ids, g, hyper, params,     \
-                                  params_at_ids, ins, updates, outs);       \
+      ffi::Result<ffi::Buffer<ffi::F32>> updates, ffi::RemainingRets outs) { \
+    return RuleKernel<Rule>::Call(#Symbol, pool, ids, g, hyper, params, ins, \
+                                  updates, outs);                           \
   }                                                                         \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol, Symbol##Impl,                       \
                                 ffi::Ffi::Bind()                            \
@@ -1168,8 +1152,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddStochastic, AddStochastic,
                                     .Arg<ffi::Buffer<ffi::F32>>()           \
                                     .RemainingArgs()                        \
                                     .Ret<ffi::Buffer<ffi::F32>>()           \
-                                    .RemainingRets()                        \
-                                    .Attr<bool>("params_at_ids"));          \
+                                    .RemainingRets());                      \
   extern "C" const char* Symbol##Fields() { return Rule::kFields; }
 
 LAZY_OPTAX_RULE(LazyOptaxAdam, AdamRule)
