@@ -631,20 +631,6 @@ inline float SumOfSquares(const float* __restrict__ x, int64_t w) {
   return sum;
 }
 
-// What a rule's Row reads besides its rows: the Hyper record, or, where the
-// rule declares `struct Prepared` and `static Prepared Prepare(const Hyper&)`,
-// values derived from it once per call (so that no row recomputes them).
-template <typename Rule, typename = void>
-struct PreparedOf {
-  using T = typename Rule::Hyper;
-  static T Of(const typename Rule::Hyper& h) { return h; }
-};
-template <typename Rule>
-struct PreparedOf<Rule, std::void_t<typename Rule::Prepared>> {
-  using T = typename Rule::Prepared;
-  static T Of(const typename Rule::Hyper& h) { return Rule::Prepare(h); }
-};
-
 // How many state tables `Rule` takes: its kPerRow's size, or none.
 template <typename Rule, typename = void>
 struct NumTables : std::integral_constant<size_t, 0> {};
@@ -654,10 +640,9 @@ struct NumTables<Rule, std::void_t<decltype(Rule::kPerRow)>>
 
 template <typename Rule, typename... S, size_t... I>
 void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
-              int64_t rows, int64_t w,
-              const typename PreparedOf<Rule>::T& h, const float* g,
-              const float* params, float* out, std::index_sequence<I...>,
-              typename S::T*... tables) {
+              int64_t rows, int64_t w, const typename Rule::Hyper& h,
+              const float* g, const float* params, float* out,
+              std::index_sequence<I...>, typename S::T*... tables) {
   // Values per table row: one (per row) or w (per entry).
   const std::array<int64_t, sizeof...(I)> width = {
       (Rule::kPerRow[I] ? int64_t{1} : w)...};
@@ -724,9 +709,8 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
       sizeof(typename Rule::Hyper)) {
     return fail("hyperparameters (not the fields of its record)");
   }
-  typename Rule::Hyper record;
-  std::memcpy(&record, hyper.typed_data(), sizeof(record));
-  const typename PreparedOf<Rule>::T h = PreparedOf<Rule>::Of(record);
+  typename Rule::Hyper h;
+  std::memcpy(&h, hyper.typed_data(), sizeof(h));
   if (ins.size() != kTables || outs.size() != kTables) {
     return fail("state tables (a wrong count)");
   }
@@ -1014,37 +998,10 @@ struct RowwiseAdagradCounterRule {
     return h.lr / (std::sqrt(h.adjustment_ub * c) + h.eps);
   }
 
-  // AdagradW's catch-up decay (1 - wd lr)^j for the gaps j < kPowers,
-  // computed once per call by the same std::pow the row would call.
-  static constexpr int kPowers = 64;
-  struct Prepared {
-    Hyper h;
-    float decay_pow[kPowers];
-  };
-  static Prepared Prepare(const Hyper& h) {
-    Prepared p{h, {}};
-    if (h.enabled != 0.0f && h.decay_mode == 3.0f) {
-      const float base = 1.0f - h.wd * h.lr;
-      for (int j = 0; j < kPowers; ++j) {
-        p.decay_pow[j] = std::pow(base, static_cast<float>(j));
-      }
-    }
-    return p;
-  }
-
-  // std::pow(base, e) for e = k - 1 (an integer-valued float).
-  static float DecayPow(const Prepared& p, float base, float e) {
-    if (e >= 0.0f && e < static_cast<float>(kPowers)) {
-      return p.decay_pow[static_cast<int>(e)];
-    }
-    return std::pow(base, e);
-  }
-
   template <typename A, typename C, typename P>
-  __attribute__((always_inline)) static void Row(const Prepared& prepared,
+  __attribute__((always_inline)) static void Row(const Hyper& h,
                                                  const RowIo& io, A acc,
                                                  C counter, P last) {
-    const Hyper& h = prepared.h;
     const int64_t w = io.w;
     const int32_t prev = last[0];
     const float d = static_cast<float>(prev == 0 ? 1 : h.step - prev);
@@ -1066,7 +1023,7 @@ struct RowwiseAdagradCounterRule {
           adj = std::min(h.lr * c, h.adjustment_ub) / denom;
         const float base = 1.0f - h.wd * h.lr;
         const float k = std::min(d, static_cast<float>(h.catch_up_cap));
-        const float lazy = DecayPow(prepared, base, k - 1.0f);
+        const float lazy = std::pow(base, k - 1.0f);
         adj *= lazy;
         corr = base * lazy;
       } else if (h.decay_mode == 2.0f || h.decay_mode == 1.0f) {
