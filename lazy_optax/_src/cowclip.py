@@ -61,12 +61,7 @@ def row_norms(x: jax.Array) -> jax.Array:
 def _rule() -> fused.RowRule:
   """CowClip of the per-occurrence gradient, as a `RowRule` without state."""
 
-  def new_rows(g, rows, params, hyper):
-    del g, params, hyper
-    return {k: v for k, v in rows.items()}
-
-  def step(g, stored, params, hyper):
-    del stored
+  def step(g, params, hyper):
     dtype = compute_dtype(g.dtype)
     g = g.astype(dtype)
     w_norm = row_norms(jnp.asarray(params).astype(dtype))
@@ -77,10 +72,9 @@ def _rule() -> fused.RowRule:
     scale = jnp.where(over, t / jnp.where(over, norm, 1), 1)
     return g * broadcast_rows(scale, g)
 
-  return fused.RowRule(
-      'cowclip', new_rows, step, (), 'LazyOptaxCowclip',
-      lambda hyper: CowClipKernelHyper(hyper['coef'], hyper['lower_bound']),
-      needs_params=True)
+  return fused.stateless_rule(
+      'cowclip', step, 'LazyOptaxCowclip',
+      lambda hyper: CowClipKernelHyper(hyper['coef'], hyper['lower_bound']))
 
 
 def id_counts(ids: jax.Array, num_rows: int) -> SparseRows:
@@ -173,7 +167,7 @@ def _clip_leaf(rule: fused.RowRule, g: Any, p: Any, c: Any, name: str,
   count = _row_counts(c, g, p, name)
   per_occurrence = g / broadcast_rows(jnp.maximum(count, 1), g).astype(
       g.dtype)
-  u, _ = fused.apply_rule(rule, per_occurrence, {}, p, hyper, impl)
+  u = fused.apply_stateless(rule, per_occurrence, p, hyper, impl)
   return u * broadcast_rows(count, u).astype(u.dtype)
 
 

@@ -100,6 +100,40 @@ class RowRule(NamedTuple):
   int_tables: tuple[str, ...] = ()
 
 
+def stateless_rule(name: str, step: Callable[..., jax.Array], kernel: str,
+                   kernel_hyper: Callable[..., Any]) -> RowRule:
+  """A `RowRule` without state that reads the parameter rows (a clip).
+
+  Args:
+    name: the rule's name, for messages.
+    step: `(g, params, hyper) -> updates`: the update rows from the incoming
+      update (or gradient) rows `g` and the parameter rows.
+    kernel: the CPU kernel's FFI target (one of `cpu_kernels.RULES`).
+    kernel_hyper: `hyper -> record`, the kernel's hyperparameter record.
+
+  Returns:
+    The `RowRule` (no tables, `needs_params=True`), for `apply_stateless`.
+  """
+
+  def new_rows(g, rows, params, hyper):
+    del g, params, hyper
+    return dict(rows)
+
+  def rule_step(g, stored, params, hyper):
+    del stored
+    return step(g, params, hyper)
+
+  return RowRule(name, new_rows, rule_step, (), kernel, kernel_hyper,
+                 needs_params=True)
+
+
+def apply_stateless(rule: RowRule, updates: Any, params: Any, hyper: Any,
+                    impl: str) -> Any:
+  """`apply_rule` for a `stateless_rule`: the new updates alone."""
+  out, _ = apply_rule(rule, updates, {}, params, hyper, impl)
+  return out
+
+
 class Block(NamedTuple):
   """A row block that `lazy` gathered: where it came from, how to update it."""
   table: jax.Array  # the full state (or parameter) leaf

@@ -41,12 +41,7 @@ class RowMaxNormKernelHyper(NamedTuple):
 def _rule() -> fused.RowRule:
   """Row max-norm of `params + updates`, as a `RowRule` without state."""
 
-  def new_rows(g, rows, params, hyper):
-    del g, params, hyper
-    return {k: v for k, v in rows.items()}
-
-  def step(g, stored, params, hyper):
-    del stored
+  def step(g, params, hyper):
     dtype = compute_dtype(g.dtype)
     u = g.astype(dtype)
     w = jnp.asarray(params).astype(dtype)
@@ -58,10 +53,9 @@ def _rule() -> fused.RowRule:
     clipped = new * broadcast_rows(scale, new) - w
     return jnp.where(broadcast_rows(over, u), clipped, u)
 
-  return fused.RowRule(
-      'row_max_norm', new_rows, step, (), 'LazyOptaxRowMaxNorm',
-      lambda hyper: RowMaxNormKernelHyper(hyper['max_norm']),
-      needs_params=True)
+  return fused.stateless_rule(
+      'row_max_norm', step, 'LazyOptaxRowMaxNorm',
+      lambda hyper: RowMaxNormKernelHyper(hyper['max_norm']))
 
 
 def row_max_norm(
@@ -109,8 +103,7 @@ def row_max_norm(
     if params is None:
       raise ValueError('row_max_norm needs params (the rows it bounds): call '
                        'update(grads, state, params).')
-    u, _ = fused.apply_rule(rule, updates, {}, params,
-                            dict(max_norm=max_norm), impl)
-    return u, state
+    return fused.apply_stateless(rule, updates, params,
+                                 dict(max_norm=max_norm), impl), state
 
   return optax.GradientTransformation(init_fn, update_fn)
