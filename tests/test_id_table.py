@@ -444,3 +444,12 @@ def test_the_default_sketch_is_wide_and_keeps_more_of_a_heavy_tail():
     hit[name] = float(np.mean(np.asarray(table.find(state, held)) < 100))
   assert lazy_optax.IdTable(capacity=100).init().sketch.shape == (2, 1600)
   assert hit['wide'] > hit['narrow'] + 0.02, hit
+
+
+def test_a_state_with_the_narrow_sketch_of_before_is_named():
+  old = lazy_optax.IdTable(capacity=8, sketch_width=8).init()
+  with pytest.raises(ValueError, match=r'state\.sketch.*sketch_width=8'):
+    lazy_optax.IdTable(capacity=8).assign(old, np.array([1, 2]), step=0)
+  slots, _, _ = lazy_optax.IdTable(capacity=8, sketch_width=8).assign(
+      old, np.array([1, 2]), step=0)
+  assert (np.asarray(slots) < 8).all()

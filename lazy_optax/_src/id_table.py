@@ -437,11 +437,15 @@ class IdTable:
       for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         if tuple(jnp.shape(g)) != tuple(w.shape) or jnp.result_type(
             g) != w.dtype:
+          hint = (f' (the sketch was `capacity` wide by default before: '
+                  f'pass sketch_width={jnp.shape(g)[-1]} for such a state)'
+                  if name == 'sketch' and self.sketch_width is None
+                  and jnp.ndim(g) == 2 else '')
           raise ValueError(
               f'{where}: state.{name} has {jnp.result_type(g)}'
               f'{list(jnp.shape(g))}, but this IdTable ({self}) makes '
-              f'{w.dtype}{list(w.shape)}: was the state made by another '
-              'IdTable?')
+              f'{w.dtype}{list(w.shape)}{hint}: was the state made by '
+              'another IdTable?')
 
   def find(self, state: IdTableState, raw_ids: Any, *,
            ids_are_32bit: bool = False) -> jax.Array:
