@@ -7,7 +7,8 @@ a full scan of the table where convenient (it is a model, not fast):
   (capacity - probe + 1)` (the 32-bit mix below, the documented hash);
 * an id is live while `step - last_seen <= ttl`; a live id found in its
   window keeps its slot and is marked seen;
-* a missing id is admitted once a count-min sketch of its lookups reaches
+* a missing id is admitted once a count-min sketch (`sketch_depth` rows of
+  `sketch_width` columns, `16 * capacity` by default) of its lookups reaches
   `admit_after` (under `admission='frequency'` the sketch counts every
   lookup and is halved at each `lfu_period` boundary; under `'always'` it
   counts lookups of ids without a row and never decays);
@@ -60,7 +61,7 @@ class IdTableModel:
     self.admit_after, self.ttl, self.rounds = admit_after, ttl, rounds
     self.lfu_period, self.seed = lfu_period, seed
     self.depth = sketch_depth
-    self.width = sketch_width or capacity
+    self.width = sketch_width or min(16 * capacity, 2 ** 31 - 1)
     self.ids = [EMPTY] * capacity
     self.last_seen = [EMPTY_STEP] * capacity
     self.counts = [0] * capacity

@@ -72,8 +72,11 @@ def _step_fn(table_ids, tx, lookup):
 
 
 def run(mesh, lookup):
+  # A sketch as narrow as the table: its collisions admit enough of the
+  # stream's ids (seen twice) to fill windows, so victims are met.
   table_ids = lazy_optax.IdTable(capacity=CAP, probe=PROBE, ttl=8,
-                                 eviction='lfu', lfu_period=5, admit_after=2)
+                                 eviction='lfu', lfu_period=5, admit_after=2,
+                                 sketch_width=CAP)
   tx = lazy_optax.lazy_adam(0.05)
   params = {'emb': jnp.zeros((CAP, D), jnp.float32)}
   opt_state = tx.init(params)

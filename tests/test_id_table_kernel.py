@@ -39,6 +39,7 @@ SETTINGS = settings.get_profile(
 # name -> (IdTable arguments, ids per call)
 CONFIGS = {
     'lru': (dict(capacity=24, probe=4), 12),
+    'narrow_sketch': (dict(capacity=24, probe=4, sketch_width=24), 12),
     'lfu': (dict(capacity=24, probe=4, eviction='lfu', lfu_period=3), 12),
     'none': (dict(capacity=20, probe=3, eviction='none'), 12),
     'admit': (dict(capacity=24, probe=4, admit_after=2, sketch_width=16,

@@ -64,6 +64,11 @@ _ADMISSIONS = ('frequency', 'always')
 _DEFAULT_PROBE = 16
 _MAX_CAPACITY = 2 ** 31 - 2          # capacity itself must fit int32
 EMPTY_STEP = -(2 ** 30)              # last_seen of a never-used slot
+# The default sketch width per slot: a sketch as narrow as the table counts
+# a stream with many more distinct ids than slots with collisions that blur
+# the frequency guard (docs/hashed_ids.md, "Which policy for which stream").
+SKETCH_COLUMNS_PER_SLOT = 16
+_MAX_SKETCH_WIDTH = 2 ** 31 - 1
 
 
 class IdCounters(NamedTuple):
@@ -233,7 +238,10 @@ class IdTable:
     lfu_period: steps per halving of the `'lfu'` counts (and of the sketch
       under `admission='frequency'`).
     sketch_depth: rows of the admission sketch.
-    sketch_width: columns of the admission sketch (default `capacity`); the
+    sketch_width: columns of the admission sketch (default
+      `16 * capacity`, at most `2**31 - 1`: 128 bytes a slot at depth 2, so
+      that a stream of many more distinct ids than slots is counted with
+      few collisions; `sketch_width=capacity` was the default before); the
       table holds a sketch when `admit_after > 1` or under
       `admission='frequency'` with a victim policy.
     eviction_log: entries of the ring of evicted ids read by
@@ -325,7 +333,8 @@ class IdTable:
   def _sketch_shape(self) -> Optional[tuple[int, int]]:
     if self.admit_after == 1 and not id_assign.guards(self):
       return None
-    width = self.sketch_width or self.capacity
+    width = self.sketch_width or min(SKETCH_COLUMNS_PER_SLOT * self.capacity,
+                                     _MAX_SKETCH_WIDTH)
     return (self.sketch_depth, width)
 
   @property
@@ -428,11 +437,15 @@ class IdTable:
       for w, g in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
         if tuple(jnp.shape(g)) != tuple(w.shape) or jnp.result_type(
             g) != w.dtype:
+          hint = (f' (the sketch was `capacity` wide by default before: '
+                  f'pass sketch_width={jnp.shape(g)[-1]} for such a state)'
+                  if name == 'sketch' and self.sketch_width is None
+                  and jnp.ndim(g) == 2 else '')
           raise ValueError(
               f'{where}: state.{name} has {jnp.result_type(g)}'
               f'{list(jnp.shape(g))}, but this IdTable ({self}) makes '
-              f'{w.dtype}{list(w.shape)}: was the state made by another '
-              'IdTable?')
+              f'{w.dtype}{list(w.shape)}{hint}: was the state made by '
+              'another IdTable?')
 
   def find(self, state: IdTableState, raw_ids: Any, *,
            ids_are_32bit: bool = False) -> jax.Array:
