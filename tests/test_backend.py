@@ -267,3 +267,34 @@ def test_a_rule_whose_writes_a_wrapper_rebuilds_is_reported_generic():
   choice, _ = _check_composition(tx)
   assert choice.impl == 'generic', choice
   assert 'apply_if_finite' in choice.reason
+
+
+def test_auto_where_the_default_backend_is_not_the_cpu_reports_xla(
+    monkeypatch):
+  # A jitted step names no device: it compiles for the default backend. On
+  # a GPU machine (the default backend faked here) 'auto' must neither name
+  # the CPU kernel in explain_update nor lower a call that a GPU compile
+  # would drop; the same step on the CPU default keeps the kernel.
+  tx = lazy_optax.lazy_adam(LR)
+  params = {'table': jnp.asarray(_table()), 'w': jnp.ones((3,))}
+  state = tx.init(params)
+  ids, values = next(_batches(1))
+  grads = {'table': lazy_optax.SparseRows(ids, values, NUM_ROWS),
+           'w': jnp.zeros((3,))}
+
+  def lowered_text():  # a fresh jit each time: no trace is reused
+    return _donated_step(tx).lower(params, state, ids,
+                                   values.ravel()).as_text()
+
+  on_cpu = lazy_optax.explain_update(tx, grads, state, params)['table']
+  assert on_cpu.impl == 'cpu_kernel' and ADAM_KERNEL in lowered_text()
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  on_gpu = lazy_optax.explain_update(tx, grads, state, params)['table']
+  assert on_gpu.impl == 'xla', on_gpu
+  assert 'compiles for gpu, the default backend' in on_gpu.reason
+  assert ADAM_KERNEL not in lowered_text()
+  # An explicit request keeps its kernel: the caller may compile for CPU.
+  explicit = lazy_optax.lazy_adam(LR, impl='cpu_kernel')
+  assert lazy_optax.explain_update(
+      explicit, grads, explicit.init(params), params)['table'].impl == (
+          'cpu_kernel')

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 
 from lazy_optax._src import cpu_kernels
@@ -101,6 +102,23 @@ def placement_refusal(table: Any, where: Placement) -> str:
   return ''
 
 
+def lowering_refusal(where: Placement) -> str:
+  """Why a table whose trace names no platform gets no kernel: the step
+  compiles for the default backend, and it is not the CPU ('' where it is).
+
+  Such a step (`jax.jit` of arrays on one device) lowers its kernel calls
+  under `jax.lax.platform_dependent`, so a GPU or TPU compile drops them:
+  `'auto'` reports and lowers the XLA path there instead of naming a kernel
+  that would not run.
+  """
+  if where.platform is not None:
+    return ''
+  default = jax.default_backend()
+  if default == 'cpu':
+    return ''
+  return f'the step compiles for {default}, the default backend'
+
+
 def without_kernel(table: Any, where: Placement, why: str) -> Backend:
   """The XLA backend of a table no kernel updates: 'xla' or 'generic'."""
   kind = ('xla' if where.kind in ('one', 'explicit') and not where.row_axes
@@ -130,7 +148,9 @@ def decide(table: Any, impl: str, *, refusal: str = '',
   where = placement(table)
   if impl in ('generic', 'xla'):
     return Backend(impl, f"impl='{impl}' was asked for", False, where)
-  refusal = placement_refusal(table, where) or refusal
+  refusal = (placement_refusal(table, where)
+             or (lowering_refusal(where) if impl == 'auto' else '')
+             or refusal)
   if refusal:
     if impl == 'cpu_kernel':
       raise ValueError(
