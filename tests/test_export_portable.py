@@ -11,7 +11,11 @@ GPU or TPU would compile, produced without one. Each module must
 - hold no call to lazy_optax's C++ CPU kernels (`lazy_optax_LazyOptax...`
   targets) anywhere: those exist on the CPU only;
 - hold no host callback (`xla_python_cpu_callback`, `xla_ffi_python_...`,
-  any target naming a Python callback) outside a branch of a conditional.
+  any target naming a Python callback) outside a branch of a conditional;
+- hold no run-time conditional (XLA:GPU copies each predicate to the host
+  and waits for it, per step; a `platform_dependent`'s `case` on the
+  platform's index is resolved before compiling and does not count), except
+  one with a host callback in a branch (an error report).
 
 How the callback check reads the module: it walks the text line by line,
 tracking the braces of regions. A `stablehlo.case` or `stablehlo.if` opens
@@ -26,11 +30,11 @@ path every step takes. Note that jax 0.10 cannot lower a host callback for
 python_callback"), so today a step holding one, even in an error branch,
 already fails at the export: the check stands for the day it can.
 
-The same walk counts the sorts, scatters and gathers each step compiles to
-(calls into private functions counted once per call, as XLA inlines them),
-one lowering per platform; docs/performance.md's table "What a GPU or TPU
-compiles" gives them. `python3 tests/test_export_portable.py` prints that
-table. Table sizes are small: the lowering does not depend on them.
+The same walk counts the sorts, scatters, gathers and conditionals each
+step compiles to (calls into private functions counted once per call, as
+XLA inlines them), one lowering per platform; docs/performance.md's table
+"What a GPU or TPU compiles" gives them. `python3
+tests/test_export_portable.py` prints that table. Table sizes are small: the lowering does not depend on them.
 """
 
 from __future__ import annotations
@@ -55,13 +59,25 @@ COUNTED = ('sort', 'scatter', 'gather')
 
 _KERNEL = re.compile(r'lazy_optax_|LazyOptax')
 _CALLBACK = re.compile(r'callback', re.IGNORECASE)
-_FUNC = re.compile(r'func\.func\s+(?:public\s+|private\s+)?@([\w.$-]+)')
-_CALL = re.compile(r'(?<![\w.])(?:func\.)?call\s+@([\w.$-]+)')
+# Function names: `@name`, or quoted (`@"<lambda>"`).
+_FUNC = re.compile(
+    r'func\.func\s+(?:public\s+|private\s+)?@("[^"]+"|[\w.$-]+)')
+_CALL = re.compile(r'(?<![\w.])(?:func\.)?call\s+@("[^"]+"|[\w.$-]+)')
 _TARGET = re.compile(
     r'stablehlo\.custom_call\s+@([\w.$-]+)|call_target_name\s*=\s*"([^"]+)"')
 _OP = re.compile(r'\bstablehlo\.(\w+)\b')
 _CONDITIONAL = re.compile(r'\bstablehlo\.(?:case|if)\b')
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_CONSTANT = re.compile(r'^\s*(%[\w#]+)\s*=\s*stablehlo\.constant\b')
+_SELECTOR = re.compile(
+    r'(%[\w]+)(?::\d+)?\s*=\s*"?stablehlo\.(case|if)"?\s*\(\s*(%[\w#]+)')
+
+
+@dataclasses.dataclass
+class _Branching:
+  """One conditional decided at run time: what its branches hold."""
+  targets: set = dataclasses.field(default_factory=set)
+  calls: list = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -71,31 +87,59 @@ class _Function:
       default_factory=collections.Counter)
   targets: list = dataclasses.field(default_factory=list)  # (name, cond)
   calls: list = dataclasses.field(default_factory=list)    # (callee, cond)
+  branchings: list = dataclasses.field(default_factory=list)  # _Branching
 
 
 def read_module(text: str) -> dict[str, _Function]:
-  """Parses StableHLO text roughly: functions, ops, custom calls, calls, and
-  whether each sits inside a region of a `case`/`if`."""
+  """Parses StableHLO text roughly: functions, ops, custom calls, calls,
+  whether each sits inside a region of a `case`/`if`, and which conditionals
+  are decided at run time (`_Function.branchings`).
+
+  A `jax.lax.platform_dependent` lowers to a `case` on a constant (the
+  platform's index) and a `case` on its result: both are resolved before
+  XLA compiles the module, so neither is a run-time conditional.
+  """
   functions: dict[str, _Function] = {}
   current = _Function()
   depth = 0
-  open_conditionals: list[int] = []   # brace depth where each case/if began
+  constants: set[str] = set()
+  static: set[str] = set()            # constants and platform indices
+  # (brace depth where each case/if began, its _Branching or None)
+  open_conditionals: list[tuple[int, Any]] = []
   for line in text.splitlines():
     name = _FUNC.search(line)
     if name:
       current = functions.setdefault(name.group(1), _Function())
+      constants, static = set(), set()
     conditional = bool(open_conditionals)
+    inside = [b for _, b in open_conditionals if b is not None]
     for target in _TARGET.finditer(line):
       current.targets.append((target.group(1) or target.group(2), conditional))
+      for b in inside:
+        b.targets.add(target.group(1) or target.group(2))
     for callee in _CALL.finditer(line):
       current.calls.append((callee.group(1), conditional))
+      for b in inside:
+        b.calls.append(callee.group(1))
     code = _STRING.sub('""', line)
     for op in _OP.finditer(line):
       current.ops[op.group(1)] += 1
+    constant = _CONSTANT.search(line)
+    if constant:
+      constants.add(constant.group(1))
+      static.add(constant.group(1))
     if _CONDITIONAL.search(line):
-      open_conditionals.append(depth)
+      selector = _SELECTOR.search(line)
+      branching = None
+      if selector and selector.group(3) in static:
+        if selector.group(3) in constants:
+          static.add(selector.group(1))   # the platform's index
+      else:
+        branching = _Branching()
+        current.branchings.append(branching)
+      open_conditionals.append((depth, branching))
     depth += code.count('{') - code.count('}')
-    while open_conditionals and depth <= open_conditionals[-1]:
+    while open_conditionals and depth <= open_conditionals[-1][0]:
       open_conditionals.pop()
   return functions
 
@@ -134,6 +178,43 @@ def op_counts(functions: dict[str, _Function],
       counts.update(dict(total(callee)))
     return tuple(sorted(counts.items()))
   return collections.Counter(dict(total(entry)))
+
+
+def _reaches_callback(functions: dict[str, _Function], targets: set,
+                      calls: list) -> bool:
+  """Whether these targets, or the functions called, hold a host callback."""
+  seen: set[str] = set()
+  todo = list(calls)
+  found = any(_CALLBACK.search(t) for t in targets)
+  while todo and not found:
+    name = todo.pop()
+    if name in seen or name not in functions:
+      continue
+    seen.add(name)
+    fn = functions[name]
+    found = any(_CALLBACK.search(t) for t, _ in fn.targets)
+    todo.extend(c for c, _ in fn.calls)
+  return found
+
+
+def conditional_counts(functions: dict[str, _Function],
+                       entry: str = 'main') -> tuple[int, int]:
+  """Run-time conditionals of `entry` (called functions' once per call):
+  `(total, reporting)`, where `reporting` counts those with a host callback
+  in a branch (an error report, never taken by a normal batch)."""
+  @functools.lru_cache(maxsize=None)
+  def total(name: str) -> tuple[int, int]:
+    fn = functions.get(name)
+    if fn is None:
+      return 0, 0
+    reporting = sum(_reaches_callback(functions, b.targets, b.calls)
+                    for b in fn.branchings)
+    counts = (len(fn.branchings), reporting)
+    for callee, _ in fn.calls:
+      sub = total(callee)
+      counts = (counts[0] + sub[0], counts[1] + sub[1])
+    return counts
+  return total(entry)
 
 
 # --- the documented steps ---------------------------------------------------
@@ -176,7 +257,7 @@ def _bag_step():
   return train_step, args
 
 
-def _hashed_step():
+def _hashed_step(batch=BATCH):
   """docs/hashed_ids.md's step: assign + reset_rows + lookup + update."""
   table_ids = lazy_optax.IdTable(capacity=NUM_ROWS, probe=8, eviction='lru')
   tx = lazy_optax.lazy_adam(1e-2)
@@ -197,9 +278,9 @@ def _hashed_step():
             loss)
   params = {'emb': {'table': jnp.zeros((NUM_ROWS, DIM))},
             'w': jnp.ones(DIM)}
-  words = lazy_optax.split_ids(np.arange(BATCH, dtype=np.int64) * 7919)
+  words = lazy_optax.split_ids(np.arange(batch, dtype=np.int64) * 7919)
   args = (params, tx.init(params), table_ids.init(), words,
-          jnp.ones(BATCH, jnp.float32), 0)
+          jnp.ones(batch, jnp.float32), 0)
   return train_step, args
 
 
@@ -214,6 +295,8 @@ STEPS: dict[str, Callable[[], tuple[Callable[..., Any], tuple]]] = {
     'ftrl': lambda: _plain_step(lazy_optax.ftrl(0.1, l1=0.01)),
     'lazy(optax.adam)': lambda: _plain_step(lazy_optax.lazy(optax.adam(0.05))),
     'hashed step (lazy_adam)': _hashed_step,
+    # Past 256 ids the CPU resets fresh rows in chunks.
+    'hashed step, 1024 ids': functools.partial(_hashed_step, 1024),
     'bag step (lazy_adam)': _bag_step,
 }
 
@@ -269,6 +352,43 @@ def test_check_finds_callbacks_outside_conditionals_only():
     assert bool(_check(functions)[1]) == rejected, (name, text[name])
 
 
+def test_check_counts_run_time_conditionals_only():
+  """A `lax.cond` is a run-time conditional, one holding a callback is
+  counted as a report too; a `platform_dependent` (resolved before XLA
+  compiles) is not one."""
+  def cb(x):
+    return x
+
+  def report(x):
+    return jax.pure_callback(cb, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+
+  def branch(x):
+    return jax.lax.cond(x[0] < 0, jnp.abs, lambda x: x, x)
+
+  def on_error(x):
+    return jax.lax.cond(x[0] < 0, jax.jit(report), lambda x: x, x)
+
+  def per_platform(x):
+    return jax.lax.platform_dependent(x, cpu=jnp.abs, default=jnp.sin)
+
+  def nested(x):   # a cond inside a platform_dependent branch, twice called
+    inner = jax.jit(lambda x: jax.lax.platform_dependent(
+        x, cpu=branch, default=branch))
+    return inner(inner(x))
+
+  x = jnp.ones(3)
+  for fn, want in ((branch, (1, 0)), (on_error, (1, 1)),
+                   (per_platform, (0, 0)), (nested, (2, 0))):
+    for platform in PLATFORMS:
+      text = jax.export.export(jax.jit(fn), platforms=[platform])(
+          x).mlir_module() if fn is not on_error else (
+              jax.jit(fn).lower(x).as_text())
+      functions = read_module(text)
+      assert conditional_counts(functions) == want, (fn.__name__, text)
+      if fn is per_platform:
+        assert op_counts(functions)['case'] >= 1, text
+
+
 def test_check_finds_cpu_kernels():
   """On the CPU the same lazy_adam step calls the C++ kernel, and the check
   names it."""
@@ -293,17 +413,34 @@ def test_step_lowers_for_gpu_and_tpu_without_kernels_or_callbacks(name):
   assert counts['gather'] >= 1 and counts['scatter'] >= 1, counts
 
 
+@pytest.mark.parametrize('name', list(STEPS))
+@pytest.mark.parametrize('platform', PLATFORMS)
+def test_step_holds_no_conditional_a_normal_batch_decides(name, platform):
+  """XLA:GPU reads each conditional's predicate back to the host (a copy and
+  a wait per step), and copies a table that one branch passes through while
+  the other scatters into it: every documented step lowers for GPU and TPU
+  without a run-time conditional. The only ones allowed hold a host
+  callback in a branch (`damage.report`'s error report, taken only for a
+  damaged id code); none of these steps holds one today."""
+  functions = exported(name, (platform,))
+  total, reporting = conditional_counts(functions)
+  assert total == reporting == 0, (name, platform, total, reporting)
+
+
 def op_count_table() -> str:
-  """docs/performance.md's table: sorts / scatters / gathers per step and
-  platform."""
+  """docs/performance.md's table: sorts / scatters / gathers / run-time
+  conditionals per step and platform."""
   lines = ['| step | ' + ' | '.join(
-               f'{p}: {", ".join(COUNTED)}' for p in PLATFORMS) + ' |',
-           '| --- |' + ' ---: |' * len(PLATFORMS)]
+               f'{p}: {", ".join(COUNTED)}, conditionals' for p in PLATFORMS)
+           + ' |', '| --- |' + ' ---: |' * len(PLATFORMS)]
   for name in STEPS:
     cells = []
     for platform in PLATFORMS:
-      counts = op_counts(exported(name, (platform,)))
-      cells.append(' / '.join(str(counts[op]) for op in COUNTED))
+      functions = exported(name, (platform,))
+      counts = op_counts(functions)
+      cells.append(' / '.join(
+          [str(counts[op]) for op in COUNTED]
+          + [str(conditional_counts(functions)[0])]))
     lines.append(f'| {name} | ' + ' | '.join(cells) + ' |')
   return '\n'.join(lines)
 

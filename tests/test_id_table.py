@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import lazy_optax
+from lazy_optax._src import branching
 from lazy_optax._src import id_words
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -150,6 +151,58 @@ def test_assign_follows_the_model(name, data):
     assert dict(zip(changed_slots.tolist(), changed_ids.tolist())) == (
         want_changed)
     assert evicted.tolist() == want_evicted
+
+
+@functools.cache
+def _xla_assigns(name):
+  """XLA's assign traced twice: with the skipping `lax.cond`s (the CPU's
+  lowering) and with the branch-free versions (GPU's and TPU's)."""
+  cfg, n = CONFIGS[name]
+  table = lazy_optax.IdTable(eviction_log=LOG, **cfg)
+  args = (table.init(), jnp.zeros((n, 2), jnp.uint32), jnp.int32(0))
+  out = {}
+  for branch_free in (False, True):
+    with branching.forced(branch_free):
+      fn = jax.jit(lambda s, w, now: table._assign_xla(s, w, now))
+      lowered = fn.lower(*args)
+    out[branch_free] = (lowered.compile(),
+                        lowered.as_text().count('stablehlo.case'))
+  return table, out
+
+
+@pytest.mark.parametrize('name', sorted(CONFIGS))
+@SETTINGS
+@given(data=st.data())
+def test_branch_free_assign_equals_the_skipping_one_and_the_model(name, data):
+  """The claim rounds and the sketch's halving skip work under `lax.cond` on
+  the CPU only; elsewhere they run branch-free. From the same state, both
+  give every output and state leaf bit for bit, and the model's slots."""
+  cfg, n = CONFIGS[name]
+  pool, steps, _ = data.draw(_streams(n))
+  table, versions = _xla_assigns(name)
+  (skipping, conds), (branch_free, no_conds) = versions[False], versions[True]
+  assert conds > 0 and no_conds == 0, (conds, no_conds)
+  model = IdTableModel(**cfg)
+  state, step = table.init(), 0
+  for gap, picks in steps:
+    step += gap
+    ids = np.array([pool[p % len(pool)] for p in picks], np.int64)
+    words, now = lazy_optax.split_ids(ids), jnp.int32(step)
+    want = skipping(state, words, now)
+    got = branch_free(state, words, now)
+    want_leaves, want_tree = jax.tree.flatten(want)
+    got_leaves, got_tree = jax.tree.flatten(got)
+    assert want_tree == got_tree
+    for w, g in zip(want_leaves, got_leaves):
+      assert w.dtype == g.dtype
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    slots, state, fresh, _ = got
+    want_slots, want_fresh = model.assign(ids, step)
+    np.testing.assert_array_equal(np.asarray(slots), want_slots)
+    assert _fresh_map(table, fresh) == want_fresh
+    stats = table.stats(state)
+    assert {k: stats[k] for k in model.counters} == model.counters
+    _check_invariants(table, state)
 
 
 @SETTINGS

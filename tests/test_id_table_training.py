@@ -287,6 +287,49 @@ def test_reset_rows_jitted_equals_eager_and_is_batch_sized():
       line for line in text.splitlines() if f'[{cap},' in line)
 
 
+@pytest.mark.parametrize('share', [0.0, 0.3, 1.0])
+def test_reset_rows_in_chunks_equals_one_branch_free_reset(share):
+  """Past 256 fresh entries the CPU resets in chunks, skipping (`lax.cond`)
+  those past the fresh count; GPU and TPU reset every entry at once (those
+  past the count name no row). Both give the same bits, and what
+  `fresh_rows` gives the fresh slots."""
+  from lazy_optax._src import branching
+
+  cap, n = 4096, 600
+  rng = np.random.default_rng(1)
+  params = {'emb': jnp.asarray(rng.normal(size=(cap, 8)), jnp.float32),
+            'w': jnp.ones(2)}
+  tx = lazy_optax.lazy_adam(0.1)
+  state = jax.tree.map(lambda x: x + 1 if jnp.ndim(x) == 2 else x,
+                       tx.init(params))
+  chosen = rng.random(n) < share
+  slots = np.where(chosen, rng.permutation(cap)[:n], cap)
+  fresh = _fresh(slots, rng.integers(0, 2 ** 62, n), cap)
+  assert reset_module._chunk_size(n) < n
+  out = {}
+  for branch_free in (False, True):
+    with branching.forced(branch_free):
+      fn = jax.jit(lambda p, s, f: reset_module._reset(
+          tx, INIT, p, s, {'emb': f}, KEY))
+      text = fn.lower(params, state, fresh).as_text()
+      out[branch_free] = fn(params, state, fresh)
+    assert ('stablehlo.case' in text) != branch_free
+  jax.tree.map(np.testing.assert_array_equal, out[False], out[True])
+  new_p, new_state = out[True]
+  rows = np.asarray(reset_module.fresh_rows(INIT, KEY, fresh.ids, (8,),
+                                            jnp.float32, 'emb'))
+  kept = np.setdiff1d(np.arange(cap), slots[chosen])
+  np.testing.assert_array_equal(np.asarray(new_p['emb'])[slots[chosen]],
+                                rows[chosen])
+  np.testing.assert_array_equal(np.asarray(new_p['emb'])[kept],
+                                np.asarray(params['emb'])[kept])
+  for new, old in zip(jax.tree.leaves(new_state), jax.tree.leaves(state)):
+    if np.ndim(old) == 2:      # mu, nu of the table: zero where fresh
+      np.testing.assert_array_equal(np.asarray(new)[slots[chosen]], 0)
+      np.testing.assert_array_equal(np.asarray(new)[kept],
+                                    np.asarray(old)[kept])
+
+
 def test_reset_rows_bad_input():
   params = {'emb': jnp.zeros((4, 2))}
   tx = lazy_optax.lazy_adam(0.1)

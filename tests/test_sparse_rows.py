@@ -102,3 +102,45 @@ def test_sparse_rows_holds_distinct_ids_from_construction():
   np.testing.assert_array_equal(
       jax.tree.unflatten(jax.tree.structure(g), [code, leaf_values]).ids,
       g.ids)
+
+
+@pytest.mark.parametrize('ids', [
+    [3, 1, 3, 0, 5, 1],            # in range (5 = num_rows names no row)
+    [3, -1, 9, 1, -7, 3],          # out-of-range ids among them
+    [-1, 6, 7, -2, 100, -5],       # all out of range
+    [2, 2, 2, 2, 2, 6],
+])
+def test_out_of_range_ids_are_kept_alike_with_and_without_a_branch(ids):
+  """The CPU keeps out-of-range ids under `lax.cond`; GPU and TPU always run
+  the same writes (they drop when there is nothing to keep). Both give the
+  reference's slots: distinct ids ascending, then the out-of-range ids in
+  batch order, then `num_rows`."""
+  from lazy_optax._src import branching
+  from lazy_optax._src import distinct
+
+  num_rows = 5
+  ids = np.asarray(ids, np.int32)
+  values = np.arange(ids.size * 2, dtype=np.float32).reshape(-1, 2)
+  outside = (ids < 0) | (ids > num_rows)
+  named = np.unique(ids[~outside & (ids < num_rows)])
+  want = np.concatenate([named, ids[outside],
+                         np.full(ids.size - named.size - outside.sum(),
+                                 num_rows)])
+  raw = distinct._from_ids.__wrapped__   # untraced: sees `forced`
+  got = {}
+  for branch_free in (False, True):
+    with branching.forced(branch_free):
+      fn = jax.jit(lambda i, v: raw(i, v, num_rows, False))
+      text = fn.lower(ids, values).as_text()
+      got[branch_free] = fn(ids, values)
+    assert ('stablehlo.case' in text) != branch_free, text
+    np.testing.assert_array_equal(got[branch_free][0], want)
+  for a, b in zip(got[False], got[True]):
+    np.testing.assert_array_equal(a, b)
+  # The two versions called directly, on the deduplicated ids.
+  for fn in (distinct.keep_out_of_range_skipping,
+             distinct.keep_out_of_range_branch_free):
+    out = jax.jit(fn, static_argnums=3)(
+        np.concatenate([named, np.full(ids.size - named.size, num_rows)]
+                       ).astype(np.int32), ids, outside, num_rows)
+    np.testing.assert_array_equal(out, want)

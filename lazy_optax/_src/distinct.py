@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from lazy_optax._src import backend as _backend
+from lazy_optax._src import branching
 from lazy_optax._src import dedup
 from lazy_optax._src import id_code
 from lazy_optax._src import sharding as _sharding
@@ -107,12 +108,31 @@ def _from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
   safe = jnp.where(outside, jnp.asarray(num_rows, ids.dtype), ids)
   unique_ids, summed = dedup.unique_rows(
       safe, values, num_rows, _as_backend(values, row_kernels))
-  # Only a batch with out-of-range ids pays for keeping them.
-  unique_ids = jax.lax.cond(
+  unique_ids = branching.per_platform(
+      functools.partial(keep_out_of_range_skipping, num_rows=num_rows),
+      functools.partial(keep_out_of_range_branch_free, num_rows=num_rows),
+      unique_ids, ids, outside)
+  return unique_ids, summed
+
+
+def keep_out_of_range_skipping(unique_ids: jax.Array, ids: jax.Array,
+                               outside: jax.Array, num_rows: int
+                               ) -> jax.Array:
+  """`_with_out_of_range` under `lax.cond`: only a batch with out-of-range
+  ids pays for keeping them (the CPU's version)."""
+  return jax.lax.cond(
       jnp.any(outside),
       lambda u: _with_out_of_range(u, ids, outside, num_rows),
       lambda u: u, unique_ids)
-  return unique_ids, summed
+
+
+def keep_out_of_range_branch_free(unique_ids: jax.Array, ids: jax.Array,
+                                  outside: jax.Array, num_rows: int
+                                  ) -> jax.Array:
+  """`_with_out_of_range` always: without out-of-range ids its writes all
+  drop, so it gives `keep_out_of_range_skipping`'s bits without a
+  conditional (the version for GPU and TPU)."""
+  return _with_out_of_range(unique_ids, ids, outside, num_rows)
 
 
 def from_code(code: jax.Array, values: jax.Array, num_rows: int,

@@ -23,6 +23,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from lazy_optax._src import branching
 from lazy_optax._src import id_hashing
 from lazy_optax._src import id_words
 
@@ -199,6 +200,19 @@ def estimate(table: Any, sketch: jax.Array, words: jax.Array) -> jax.Array:
                  axis=0)
 
 
+def halve_skipping(sketch: jax.Array, halvings: jax.Array) -> jax.Array:
+  """The sketch halved `halvings` times, a pass over it only when that is
+  not zero (the CPU's version)."""
+  return lax.cond(halvings > 0, functools.partial(halve_branch_free,
+                                                  halvings=halvings),
+                  lambda s: s, sketch)
+
+
+def halve_branch_free(sketch: jax.Array, halvings: jax.Array) -> jax.Array:
+  """The sketch halved `halvings` times (a shift by zero keeps it)."""
+  return sketch >> jnp.clip(halvings, 0, 31)
+
+
 def admit(table: Any, sketch: Optional[jax.Array], words: jax.Array,
           valid: jax.Array, need: jax.Array, prev: jax.Array, now: jax.Array
           ) -> tuple[Optional[jax.Array], jax.Array, Optional[jax.Array]]:
@@ -228,9 +242,8 @@ def admit(table: Any, sketch: Optional[jax.Array], words: jax.Array,
   if all_lookups:
     halvings = jnp.where(prev >= 0, jnp.floor_divide(
         now, table.lfu_period) - jnp.floor_divide(prev, table.lfu_period), 0)
-    sketch = lax.cond(halvings > 0,
-                      lambda s: s >> jnp.clip(halvings, 0, 31),
-                      lambda s: s, sketch)
+    sketch = branching.per_platform(halve_skipping, halve_branch_free,
+                                    sketch, halvings)
   depth, width = sketch.shape
   cols = id_hashing.sketch_columns(words, depth, width, table.seed)
   cols = jnp.where((valid if all_lookups else need)[None, :], cols, width)
@@ -400,7 +413,7 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
             for r in results]
     return merge(carry, new_tables, tuple(back))
 
-  def one_round(few, carry):
+  def one_round_skipping(few, carry):
     # The pending ids compacted into `few` rows when they fit (most ids of
     # a batch are hits), all `n` rows when they do not: never a subset
     # chosen by position, so the result does not depend on batch order.
@@ -409,6 +422,13 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
     return lax.cond((left <= few) & (left > 0),
                     functools.partial(compact_round, few), lambda x: x,
                     carry)
+
+  def one_round(few, carry):
+    # Branch-free: a round over all `n` rows gives the compact round's bits
+    # (rows not pending claim nothing and their writes drop) and, with no
+    # id pending, changes nothing.
+    return branching.per_platform(
+        functools.partial(one_round_skipping, few), full_round, carry)
 
   carry = ((ids, last_seen, claims), jnp.full((n,), c, jnp.int32),
            jnp.zeros((n,), jnp.int32), admitted, jnp.zeros((n,), bool),

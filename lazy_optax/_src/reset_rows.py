@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import branching
 from lazy_optax._src import id_hashing
 from lazy_optax._src import row_state
 from lazy_optax._src import sharding as _sharding
@@ -88,10 +89,23 @@ def _pack(rows: FreshRows, num_rows: int
 
 
 def _chunk_size(n: int) -> int:
-  """Fresh rows are reset in chunks, skipping (`lax.cond`) the chunks past
-  the batch's fresh count: once the hot ids hold their rows, a small share
-  of each batch is new. Eight chunks at most (each skip costs a few us)."""
+  """On the CPU, fresh rows are reset in chunks, skipping (`lax.cond`) the
+  chunks past the batch's fresh count: once the hot ids hold their rows, a
+  small share of each batch is new. Eight chunks at most (each skip costs a
+  few us)."""
   return max(256, -(-n // 8))
+
+
+def _chunks_skipping(reset_chunk: Callable[[int, int, Any], Any], n: int,
+                     size: int, carry: Any, count: jax.Array) -> Any:
+  """`reset_chunk` chunk by chunk, skipping (`lax.cond`) those past `count`
+  (the CPU's version; elsewhere one `reset_chunk(0, n)` gives the same bits:
+  the entries past `count` name no row and their writes drop)."""
+  for start in range(0, n, size):
+    carry = jax.lax.cond(
+        count > start, functools.partial(reset_chunk, start, size),
+        lambda c: c, carry)
+  return carry
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
@@ -288,10 +302,9 @@ def _reset(tx: optax.GradientTransformation, init: Any, params: Any,
   if size >= n:
     carry = reset_chunk(0, n, carry)
   else:
-    for start in range(0, n, size):
-      carry = jax.lax.cond(
-          count > start, functools.partial(reset_chunk, start, size),
-          lambda c: c, carry)
+    carry = branching.per_platform(
+        functools.partial(_chunks_skipping, reset_chunk, n, size),
+        lambda c, _: reset_chunk(0, n, c), carry, count)
   for pos, value in zip(positions, carry[0]):
     leaves[pos] = value
   for i, value in zip(wanted, carry[1]):
