@@ -435,8 +435,8 @@ def _decided(rule: RowRule, g: Any, impl: str, context: RowContext,
                       'decided this table', False, Placement('one'))
   reason = backend.reason
   if rule.fused_add is not None and backend.kind == 'cpu_kernel':
-    reason += (' (apply_updates given these very parameters runs it inside '
-               'its scatter-add, reading each row once)')
+    reason += ('; apply_updates given these very parameters runs it inside '
+               'its scatter-add, reading each row once')
   record(Choice(block.name, rule.name, backend.kind, reason), context)
   return backend
 
