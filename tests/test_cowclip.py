@@ -190,6 +190,85 @@ def test_max_norm_bounds_written_rows_only_at_update_time():
     tx.update(grads, tx.init(params))
 
 
+def _max_norm_steps(table_dtype, update_dtype):
+  """A max-norm step applied as a train step does (fused where the CPU
+  kernel runs) and with the update's rows added as they are."""
+  rows, width = 50, 19  # rows of 8 + 8 + 3 values: every loop of the kernel
+  rng = np.random.default_rng(5)
+  params = {'table': jnp.asarray(rng.normal(size=(rows, width)) * 0.3,
+                                 table_dtype)}
+  ids = jnp.asarray(rng.integers(0, rows, 40))
+  values = jnp.asarray(rng.normal(size=(40, width)), update_dtype)
+  tx = lazy_optax.lazy(optax.chain(
+      lazy_optax.scale_by_rowwise_adagrad(impl='cpu_kernel'),
+      optax.scale_by_learning_rate(0.4),
+      lazy_optax.row_max_norm(1.2, impl='cpu_kernel')))
+  state = tx.init(params)
+
+  def update(params):
+    grads = {'table': SparseRows(ids, values, rows)}
+    return tx.update(grads, state, params)[0]
+
+  def fused(params):
+    return lazy_optax.apply_updates(params, update(params))
+
+  def unfused(params):
+    u = update(params)
+    # A pytree round trip keeps the rows, not how they add themselves.
+    u = jax.tree.map(lambda x: x, u)
+    return lazy_optax.apply_updates(params, u), u
+
+  return params, ids, update, fused, unfused
+
+
+@pytest.mark.parametrize('table_dtype,update_dtype', [
+    (jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
+    (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)])
+def test_max_norm_added_in_the_scatter_add_equals_its_update(table_dtype,
+                                                             update_dtype):
+  params, ids, _, fused, unfused = _max_norm_steps(table_dtype,
+                                                   update_dtype)
+  text = jax.jit(fused).lower(params).compile().as_text()
+  # One pass: the clip and the add in one kernel; the parameter rows are
+  # not gathered, the update rows not computed apart.
+  assert 'lazy_optax_LazyOptaxAddRowMaxNorm' in text
+  for gone in ('LazyOptaxRowMaxNorm"', 'LazyOptaxGather"',
+               'LazyOptaxScatterAdd"'):
+    assert gone not in text
+  got = np.asarray(jax.jit(fused)(params)['table'].astype(jnp.float32))
+  want, u = jax.jit(unfused)(params)
+  np.testing.assert_array_equal(
+      got, np.asarray(want['table'].astype(jnp.float32)))
+  # And the float64 model: the old rows plus the update, touched rows within
+  # the bound, some of them clipped.
+  old = np.asarray(params['table'].astype(jnp.float32), np.float64)
+  u64 = np.asarray(u['table'].to_dense().astype(jnp.float32), np.float64)
+  tol = 1e-2 if jnp.bfloat16 in (table_dtype, update_dtype) else 1e-6
+  np.testing.assert_allclose(got, old + u64, rtol=tol, atol=tol)
+  touched = np.unique(np.asarray(ids))
+  norms = np.linalg.norm(got[touched].astype(np.float64), axis=1)
+  assert norms.max() <= 1.2 * (1 + tol)
+  assert np.sum(norms > 1.2 * (1 - tol)) >= 3
+  untouched = np.setdiff1d(np.arange(old.shape[0]), touched)
+  np.testing.assert_array_equal(got[untouched], old[untouched])
+
+
+def test_max_norm_update_added_to_other_parameters_adds_its_rows():
+  # The update read the rows of `params`; added to another array it is its
+  # rows, as any update is (no clip against the other array's rows).
+  params, _, update, _, unfused = _max_norm_steps(jnp.float32, jnp.float32)
+  other = jnp.full(params['table'].shape, 3.0, jnp.float32)
+
+  @jax.jit
+  def onto_other(params, other):
+    return lazy_optax.apply_updates({'table': other}, update(params))['table']
+
+  got = np.asarray(onto_other(params, other))
+  u = jax.jit(unfused)(params)[1]['table']
+  np.testing.assert_array_equal(got, np.asarray(other + u.to_dense()))
+  assert np.abs(got - 3.0).max() > 0.1
+
+
 @pytest.mark.parametrize('impl', IMPLS)
 def test_explain_update_names_each_rule_kernel(impl):
   params = {'table': jnp.ones((R, 16))}

@@ -55,6 +55,7 @@ from lazy_optax._src.backend import REGATHER_MIN_ROW_BYTES  # noqa: F401
 from lazy_optax._src.backend import row_bytes as _row_bytes
 from lazy_optax._src.placement import Placement
 from lazy_optax._src.placement import placement
+from lazy_optax._src.sparse_rows import FusedAdd
 
 IMPLS = validate.IMPLS
 
@@ -88,6 +89,12 @@ class RowRule(NamedTuple):
     int_tables: the tables that are int32 counters (the kernel's `kInt32`):
       int32 whatever the parameter's dtype, read and written exactly. The
       others are float32 or bfloat16 for the kernel.
+    fused_add: for a rule without state whose update is a function of the
+      parameter rows (row max-norm), `(table, ids, g, words, dtype) -> table
+      + update`: its kernel and the scatter-add of its update in one pass,
+      bit for bit as the two (`g` the incoming rows, `words` the packed
+      record, `dtype` the update's); `apply_updates` takes it where it adds
+      the update to the very table the rule read (`FusedAdd`).
   """
   name: str
   new_rows: Callable[..., dict[str, jax.Array]]
@@ -98,10 +105,13 @@ class RowRule(NamedTuple):
   needs_params: bool = False
   step_reads_old_rows: bool = False
   int_tables: tuple[str, ...] = ()
+  fused_add: Optional[Callable[..., jax.Array]] = None
 
 
 def stateless_rule(name: str, step: Callable[..., jax.Array], kernel: str,
-                   kernel_hyper: Callable[..., Any]) -> RowRule:
+                   kernel_hyper: Callable[..., Any],
+                   fused_add: Optional[Callable[..., jax.Array]] = None
+                   ) -> RowRule:
   """A `RowRule` without state that reads the parameter rows (a clip).
 
   Args:
@@ -110,6 +120,8 @@ def stateless_rule(name: str, step: Callable[..., jax.Array], kernel: str,
       update (or gradient) rows `g` and the parameter rows.
     kernel: the CPU kernel's FFI target (one of `cpu_kernels.RULES`).
     kernel_hyper: `hyper -> record`, the kernel's hyperparameter record.
+    fused_add: the kernel that applies the update where it is added (see
+      `RowRule.fused_add`), or None.
 
   Returns:
     The `RowRule` (no tables, `needs_params=True`), for `apply_stateless`.
@@ -124,7 +136,7 @@ def stateless_rule(name: str, step: Callable[..., jax.Array], kernel: str,
     return step(g, params, hyper)
 
   return RowRule(name, new_rows, rule_step, (), kernel, kernel_hyper,
-                 needs_params=True)
+                 needs_params=True, fused_add=fused_add)
 
 
 def apply_stateless(rule: RowRule, updates: Any, params: Any, hyper: Any,
@@ -170,6 +182,7 @@ class RowContext:
     self.chosen: set[str] = set()  # parameters a rule recorded a choice for
     self.choices: list[Choice] = []
     self.requests: dict[str, list[Request]] = {}  # by parameter, probing
+    self._fused: dict[int, tuple[Any, FusedAdd]] = {}
 
   def register(self, rows: Any, block: Block) -> None:
     self._blocks[id(rows)] = (rows, block)
@@ -198,6 +211,15 @@ class RowContext:
 
   def request(self, name: str, request: Request) -> None:
     self.requests.setdefault(name, []).append(request)
+
+  def fuse(self, rows: Any, how: FusedAdd) -> None:
+    """`rows`, a rule's update rows, can be added by `how` (one pass)."""
+    self._fused[id(rows)] = (rows, how)
+
+  def fused_add(self, rows: Any) -> Optional[FusedAdd]:
+    """How the update rows `rows` add themselves, if a rule said so."""
+    entry = self._fused.get(id(rows))
+    return entry[1] if entry is not None and entry[0] is rows else None
 
 
 class _Stacks(threading.local):
@@ -411,8 +433,11 @@ def _decided(rule: RowRule, g: Any, impl: str, context: RowContext,
   if backend is None:  # a rule `lazy` did not see while probing
     backend = Backend('generic', f'{rule.name} was not seen when lazy(...) '
                       'decided this table', False, Placement('one'))
-  record(Choice(block.name, rule.name, backend.kind, backend.reason),
-         context)
+  reason = backend.reason
+  if rule.fused_add is not None and backend.kind == 'cpu_kernel':
+    reason += ('; apply_updates given these very parameters runs it inside '
+               'its scatter-add, reading each row once')
+  record(Choice(block.name, rule.name, backend.kind, reason), context)
   return backend
 
 
@@ -433,6 +458,8 @@ def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
   else:
     new, u = _kernel_tables(rule, g, tables, block.ids, params, hyper,
                             backend)
+    if rule.fused_add is not None and not rows:
+      context.fuse(u, _fused_add(rule, g, hyper, blocks['params']))
   # Hand the tables to `lazy`; the rows read back stand for them in the
   # state `tx` returns (correct rows even where `lazy` cannot find them).
   stored = {}
@@ -440,6 +467,30 @@ def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
     stored[k] = row_ops.gather(table, block.ids, backend)
     context.wrote(stored[k], table, block.name)
   return u, stored
+
+
+def _fused_add(rule: RowRule, g: Any, hyper: Any, block: Block) -> FusedAdd:
+  """How the update of `rule` (without state) on `g` is added to the
+  parameter table of `block` in one pass: on CPU its `fused_add` kernel
+  (the update's rows left unused, for XLA to drop), elsewhere the rows."""
+  assert rule.fused_add is not None and rule.kernel_hyper is not None
+  assert rule.kernel is not None
+  fused_add, target = rule.fused_add, rule.kernel
+  words = cpu_kernels.pack(target, rule.kernel_hyper(hyper))
+
+  def add(table, ids, values, moves):
+    rows = values.astype(table.dtype)
+    if not (row_ops.kernels_for(table, moves)
+            and jnp.dtype(ids.dtype) == jnp.dtype(jnp.int32)
+            and jnp.dtype(table.dtype) in cpu_kernels.STORAGE_DTYPES
+            and jnp.dtype(values.dtype) in cpu_kernels.STORAGE_DTYPES):
+      return row_ops.add(table, ids, rows, moves)
+    return jax.lax.platform_dependent(
+        table, ids, g, words, rows,
+        cpu=lambda t, i, g, w, _: fused_add(t, i, g, w, values.dtype),
+        default=lambda t, i, g, w, r: row_ops.add(t, i, r, moves))
+
+  return FusedAdd(block.table, add)
 
 
 def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],

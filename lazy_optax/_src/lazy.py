@@ -134,13 +134,17 @@ def _put_back(old: jax.Array, new: jax.Array, row: _RowLeaf,
 
 def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
                  new_updates: Any,
-                 backends: Optional[dict[int, _backend.Backend]]) -> Any:
+                 backends: Optional[dict[int, _backend.Backend]],
+                 context: fused.RowContext) -> Any:
   out = leaves.treedef.flatten_up_to(new_updates)
   for i, row in rows.items():
     if row.ids is not None:
+      how = context.fused_add(out[i])  # a rule's rows, as it returned them
       out[i] = SparseRows.from_unique(
           row.ids, out[i], leaves.grads[i].num_rows, distinct=True,
           backend=backends.get(i) if backends else None)
+      if how is not None:
+        out[i] = out[i].with_fused_add(how)
     else:
       assert row.row_mask is not None
       out[i] = jnp.where(broadcast_rows(row.row_mask, out[i]), out[i],
@@ -289,7 +293,8 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
           ('not a lazy_optax rule: lazy(...) ran it on the gathered rows'
            if pos in owners else 'no state rows: only the update rows')
           + _moves_note(move)), context)
-  return _row_updates(leaves, rows, new_updates, moves), new_state, context
+  return (_row_updates(leaves, rows, new_updates, moves, context),
+          new_state, context)
 
 
 def _moves_note(move: Optional[_backend.Backend]) -> str:

@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import cpu_kernels
 from lazy_optax._src import fused
 from lazy_optax._src import validate
 from lazy_optax._src.cowclip import row_norms
@@ -55,7 +56,8 @@ def _rule() -> fused.RowRule:
 
   return fused.stateless_rule(
       'row_max_norm', step, 'LazyOptaxRowMaxNorm',
-      lambda hyper: RowMaxNormKernelHyper(hyper['max_norm']))
+      lambda hyper: RowMaxNormKernelHyper(hyper['max_norm']),
+      fused_add=cpu_kernels.add_row_max_norm)
 
 
 def row_max_norm(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +30,20 @@ class _SparseRowsType(type):
 
   def __repr__(cls) -> str:
     return validate.SPARSE_ROWS_CLASS_HINT
+
+
+class FusedAdd(NamedTuple):
+  """How an update made by `lazy(...)` adds itself to its parameter table.
+
+  A rule whose update is a function of the parameter rows (row max-norm)
+  can be applied where the rows are added, reading each row once: `add`
+  gives `table + update` for the table the rows were computed from, equal
+  to the scatter-add of `values`.
+  """
+  table: Any  # the parameter table the update was computed from
+  # (table, safe ids, values, the table's row-move backend) -> new table
+  add: Callable[[jax.Array, jax.Array, jax.Array,
+                 Optional[backend_lib.Backend]], jax.Array]
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -77,12 +91,16 @@ class SparseRows(metaclass=_SparseRowsType):
   # back and checked where it is consumed) is set. `_backend` is the table's
   # `Backend` of an update that `lazy(...)` made, for the scatter-add that
   # applies it (its `row_kernels` travels in the aux data: `RowMoves`).
-  __slots__ = ('_ids', '_code', 'values', 'num_rows', '_backend')
+  # `_fused` (an update that `lazy(...)` made, as it made it: scaling, tree
+  # arithmetic and pytree round trips drop it) adds the update to the table
+  # its rows were computed from in one pass (`FusedAdd`).
+  __slots__ = ('_ids', '_code', 'values', 'num_rows', '_backend', '_fused')
   _ids: Optional[jax.Array]
   _code: Optional[jax.Array]
   values: jax.Array
   num_rows: int
   _backend: Optional[backend_lib.Backend]
+  _fused: Optional['FusedAdd']
 
   __array_ufunc__ = None  # numpy defers `ndarray + SparseRows` to __radd__
 
@@ -103,9 +121,10 @@ class SparseRows(metaclass=_SparseRowsType):
     self._fill(ids, None, values, num_rows)
 
   def _fill(self, ids: Any, code: Any, values: Any, num_rows: int,
-            backend: Optional[backend_lib.Backend] = None) -> None:
+            backend: Optional[backend_lib.Backend] = None,
+            fused: Optional['FusedAdd'] = None) -> None:
     for name, value in zip(self.__slots__,
-                           (ids, code, values, num_rows, backend)):
+                           (ids, code, values, num_rows, backend, fused)):
       object.__setattr__(self, name, value)
 
   @classmethod
@@ -117,6 +136,19 @@ class SparseRows(metaclass=_SparseRowsType):
   def _with_values(self, values: Any) -> 'SparseRows':
     return self._made(self._ids, self._code, values, self.num_rows,
                       self._backend)
+
+  def with_fused_add(self, fused: 'FusedAdd') -> 'SparseRows':
+    """The same update, added to `fused.table` by `fused.add` (one pass).
+
+    Args:
+      fused: how these rows add themselves to the table they were computed
+        from; `add_to` uses it for that very array, `values` elsewhere.
+
+    Returns:
+      A `SparseRows` with the same ids and values.
+    """
+    return self._made(self._ids, self._code, self.values, self.num_rows,
+                      self._backend, fused)
 
   @classmethod
   def from_unique(cls, ids: jax.Array, values: jax.Array, num_rows: int, *,
@@ -288,8 +320,11 @@ class SparseRows(metaclass=_SparseRowsType):
     array = jnp.asarray(array)
     self.check(where)
     validate.same_shape(tuple(array.shape), self.shape, where)
-    return row_ops.add(array, self.safe_ids(where),
-                       self.values.astype(array.dtype), self._backend)
+    ids = self.safe_ids(where)
+    if self._fused is not None and array is self._fused.table:
+      return self._fused.add(array, ids, self.values, self._backend)
+    return row_ops.add(array, ids, self.values.astype(array.dtype),
+                       self._backend)
 
   def astype(self, dtype: Any) -> 'SparseRows':
     """The same rows with values cast to `dtype` (the ids unchanged)."""

@@ -45,7 +45,8 @@ RULES = ('LazyOptaxAdam', 'LazyOptaxAmsgrad', 'LazyOptaxRowwiseAdagrad',
          'LazyOptaxCowclip', 'LazyOptaxRowMaxNorm')
 TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
            'LazyOptaxScatter', 'LazyOptaxScatterAdd',
-           'LazyOptaxAddStochastic', 'LazyOptaxIdAssign',
+           'LazyOptaxAddStochastic', 'LazyOptaxAddRowMaxNorm',
+           'LazyOptaxIdAssign',
            'LazyOptaxIdFind') + RULES
 # Storage dtypes the kernels read and write (tables, moments, accumulators).
 STORAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
@@ -238,6 +239,22 @@ def add_stochastic(table: jax.Array, ids: jax.Array, rows: jax.Array,
   call = _call('LazyOptaxAddStochastic', _like(table), {0: 0})
   return call(table, ids.astype(jnp.int32), rows.astype(jnp.float32),
               key_data.astype(jnp.uint32))
+
+
+def add_row_max_norm(table: jax.Array, ids: jax.Array, rows: jax.Array,
+                     hyper: jax.Array, update_dtype: Any) -> jax.Array:
+  """`table` plus, at distinct `ids`, the row max-norm update of `rows`.
+
+  The row max-norm kernel and the scatter-add of its update in one pass
+  (each parameter row read once), bit for bit as the two calls: `rows` are
+  the update rows before the clip, `hyper` the max-norm kernel's words
+  (`pack`), and the update is rounded to `update_dtype` (float32 or
+  bfloat16), then to the table's dtype, before it is added.
+  """
+  call = _call('LazyOptaxAddRowMaxNorm', _like(table), {0: 0})
+  return call(table, ids.astype(jnp.int32), rows.astype(jnp.float32),
+              hyper, round_bf16=int(jnp.dtype(update_dtype)
+                                    == jnp.dtype(jnp.bfloat16)))
 
 
 def fields(target: str) -> tuple[str, ...]:

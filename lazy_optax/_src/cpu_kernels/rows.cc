@@ -34,6 +34,8 @@
 //                           (FBGEMM's COUNTER weight-decay mode, AdagradW)
 //   LazyOptaxCowclip        CowClip's clip of a row's gradient (no state)
 //   LazyOptaxRowMaxNorm     a written row kept within max_norm (no state)
+//   LazyOptaxAddRowMaxNorm  table[ids] += the max-norm update of rows, in
+//                           place: the rule and the scatter-add in one pass
 
 #include <algorithm>
 #include <array>
@@ -618,17 +620,28 @@ struct RowIo {
   float inv_w;
 };
 
-// The sum of x[k]^2 over a row, in 8 running sums (so that it vectorizes).
-inline float SumOfSquares(const float* __restrict__ x, int64_t w) {
+// The sum of x(k)^2 over a row, in 8 running sums (so that it vectorizes).
+template <typename X>
+__attribute__((always_inline)) inline float SumOfSquaresOf(X x, int64_t w) {
   float part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t k = 0;
   for (; k + 8 <= w; k += 8) {
-    for (int j = 0; j < 8; ++j) part[j] += x[k + j] * x[k + j];
+    for (int j = 0; j < 8; ++j) {
+      const float v = x(k + j);
+      part[j] += v * v;
+    }
   }
   float sum = 0.0f;
-  for (; k < w; ++k) sum += x[k] * x[k];
+  for (; k < w; ++k) {
+    const float v = x(k);
+    sum += v * v;
+  }
   for (int j = 0; j < 8; ++j) sum += part[j];
   return sum;
+}
+
+inline float SumOfSquares(const float* __restrict__ x, int64_t w) {
+  return SumOfSquaresOf([x](int64_t k) { return x[k]; }, w);
 }
 
 // How many state tables `Rule` takes: its kPerRow's size, or none.
@@ -958,6 +971,65 @@ struct RowMaxNormRule {
   }
 };
 
+// The scatter-add of the row max-norm update, fused: for distinct ids, each
+// row w gets w + u, u = RowMaxNormRule's update of the pre-clip rows g
+// (the same float32 operations in the same order), rounded as the unfused
+// path rounds it (to bfloat16 where the update is bfloat16, `round_bf16`,
+// then to the table's dtype), so that the table comes out bit for bit as
+// LazyOptaxRowMaxNorm then LazyOptaxScatterAdd leave it, each parameter row
+// read once. One thread, as LazyOptaxScatterAdd.
+ffi::Error AddRowMaxNorm(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
+                         ffi::Buffer<ffi::F32> rows,
+                         ffi::Buffer<ffi::U32> hyper, int64_t round_bf16,
+                         ffi::Result<ffi::AnyBuffer> out) {
+  const Shape2 t = AsRows(table.dimensions());
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  const int64_t w = t.width;
+  RowMaxNormRule::Hyper h;
+  if (static_cast<int64_t>(rows.element_count()) != n * w ||
+      hyper.element_count() * sizeof(uint32_t) != sizeof(h)) {
+    return ffi::Error::InvalidArgument("LazyOptaxAddRowMaxNorm: operands");
+  }
+  std::memcpy(&h, hyper.typed_data(), sizeof(h));
+  void* dst = InPlace(table, out);
+  const int32_t* id = ids.typed_data();
+  return WithStorage(table.element_type(), [&](auto storage) {
+    using S = decltype(storage);
+    using T = typename S::T;
+    T* base = static_cast<T*>(dst);
+    const int64_t row_bytes = w * static_cast<int64_t>(sizeof(T));
+    // The update as the unfused path stores it, then reads it back.
+    auto rounded = [round_bf16](float u) {
+      return S::Rounded(round_bf16 ? BF16::Rounded(u) : u);
+    };
+    for (int64_t s = 0; s < n; ++s) {
+      if (s + kPrefetchAhead < n && Named(id[s + kPrefetchAhead], t.rows)) {
+        Prefetch(base, id[s + kPrefetchAhead], row_bytes, true);
+      }
+      if (!Named(id[s], t.rows)) continue;
+      T* row = base + static_cast<int64_t>(id[s]) * w;
+      const float* g = rows.typed_data() + s * w;
+      // RowMaxNormRule: norm of w + g; the update g where it is short
+      // enough, else (w + g) max_norm / norm - w.
+      const float norm = std::sqrt(SumOfSquaresOf(
+          [&](int64_t k) { return S::Load(row + k) + g[k]; }, w));
+      if (!(norm > h.max_norm)) {
+        for (int64_t k = 0; k < w; ++k) {
+          S::Store(row + k, S::Load(row + k) + rounded(g[k]));
+        }
+        continue;
+      }
+      const float scale = h.max_norm / norm;
+      for (int64_t k = 0; k < w; ++k) {
+        const float p = S::Load(row + k);
+        const float v = p + g[k];
+        S::Store(row + k, p + rounded(v * scale - p));
+      }
+    }
+    return ffi::Error::Success();
+  });
+}
+
 // Row-wise Adagrad with per-row counters (FBGEMM's EXACT_ROWWISE_ADAGRAD
 // with WeightDecayMode.COUNTER), per row, with `step` the global step (from
 // 1), `prev` the step of the row's last update (0: never) and
@@ -1121,3 +1193,12 @@ LAZY_OPTAX_RULE(LazyOptaxRowwiseRmspropAr, RowwiseRmspropArRule)
 LAZY_OPTAX_RULE(LazyOptaxRowwiseAdagradWithCounter, RowwiseAdagradCounterRule)
 LAZY_OPTAX_RULE(LazyOptaxCowclip, CowclipRule)
 LAZY_OPTAX_RULE(LazyOptaxRowMaxNorm, RowMaxNormRule)
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddRowMaxNorm, AddRowMaxNorm,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("round_bf16")
+                                  .Ret<ffi::AnyBuffer>());
