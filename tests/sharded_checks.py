@@ -1,8 +1,8 @@
 """Checks on row-sharded tables, on 8 simulated CPU devices.
 
 Run by the tests in the 8-device process of tests/eight_devices.py (XLA_FLAGS
-must name the device count before jax is imported), through `run_checks`
-and `check_case`, or as a script:
+must name the device count before jax is imported), through `run_checks`,
+or as a script:
 
     python3 tests/sharded_checks.py MODE [DIR]
 
@@ -19,8 +19,6 @@ MODE is one of
 
 Each mode prints one JSON line (and raises on a failed check, except
 `conformance`, which reports each optimizer's failure in its JSON).
-`check_case(name, axis_type, directory)` is one optimizer of `conformance`
-on one mesh (it raises on a failed check).
 """
 
 import os
@@ -195,12 +193,6 @@ def check_optimizer(case, axis_type, directory):
   for a, b in zip(jax.tree.leaves(resumed), jax.tree.leaves((params, state))):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   return {'steps': STEPS, 'slots': slots, 'resumed_after': half}
-
-
-def check_case(name, axis_type, directory):
-  """`check_optimizer` for the case named `name` on an `axis_type` mesh."""
-  (case,) = [c for c in optimizer_cases.CASES if c.name == name]
-  return check_optimizer(case, getattr(AxisType, axis_type), directory)
 
 
 def check_conformance(directory):

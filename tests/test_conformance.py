@@ -19,13 +19,12 @@ updates, `CASES` (one per optimizer) for the other properties:
 * inside `optax.chain` (and as its `scale_by_...` form) and
   `optax.partition`; with a schedule and `optax.inject_hyperparams`;
 * slots, state shardings that follow the rows, orbax checkpoints that resume
-  bit for bit; 8 simulated devices (tests/sharded_checks.py, in the 8-device
-  process of tests/eight_devices.py).
+  bit for bit; 8 simulated devices (tests/sharded_checks.py, one subprocess
+  for all optimizers).
 """
 
 import functools
 
-import eight_devices
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -50,6 +49,7 @@ from optimizer_cases import table_for
 from optimizer_cases import untouched
 from optimizer_cases import with_impl
 import pytest
+from sharded_checks import run_checks
 
 import lazy_optax
 from lazy_optax import SparseRows
@@ -517,11 +517,17 @@ def test_checkpoint_resumes_bit_for_bit(name, make_tx, tmp_path):
   assert counts and all(int(c) == 6 for c in counts)
 
 
+@pytest.fixture(scope='module')
+def eight_devices(tmp_path_factory):
+  return run_checks('conformance', tmp_path_factory.mktemp('sharded'))
+
+
+@pytest.mark.xdist_group('eight_devices')   # one subprocess for all cases
 @pytest.mark.parametrize('axis_type', ['Auto', 'Explicit'])
 @each_case
-def test_sharded_on_8_devices(case, axis_type, tmp_path):
-  out = eight_devices.call('sharded_checks', 'check_case', case.name,
-                           axis_type, str(tmp_path))
+def test_sharded_on_8_devices(case, axis_type, eight_devices):
+  out = eight_devices[f'{case.name} {axis_type}']
+  assert 'error' not in out, out.get('error')
   assert out['slots'] == [s.name for s in case.slots]
   assert out['steps'] == 6
   if axis_type == 'Auto':
