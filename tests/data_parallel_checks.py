@@ -1,8 +1,8 @@
 """Data parallelism with SparseRows on 8 simulated CPU devices.
 
-Run as a script (XLA_FLAGS must be set before JAX starts, so the test runs
-it in a process of its own). Each device differentiates its slice of the
-batch; `lazy_optax.tree.psum`/`pmean` combine the gradients, and the step must equal
+Run by the test in the 8-device process of tests/eight_devices.py, or as a
+script (XLA_FLAGS must be set before JAX starts). Each device differentiates
+its slice of the batch; `lazy_optax.tree.psum`/`pmean` combine the gradients, and the step must equal
 one device's step on the whole batch. A raw `lax.psum` of the same gradients
 damages the ids: the step raises (with the warn-only opt-in, no row is
 written).

@@ -1,6 +1,7 @@
 """The CPU kernels on several devices and processes (run in subprocesses).
 
     python3 tests/kernel_shards.py mesh
+        (or `mesh_checks()` in the 8-device process of tests/eight_devices.py)
         8 simulated devices, a data x rows mesh with Explicit axes: every
         optimizer's row update runs as the kernel on each device's own rows
         (inside jax.shard_map) and equals the same step on one device.
@@ -166,10 +167,14 @@ def process_check():
         'devices', jax.device_count(), choice.impl)
 
 
+def mesh_checks():
+  mesh_check()
+  lookup_check()
+
+
 if __name__ == '__main__':
   if sys.argv[1] == 'mesh':
-    mesh_check()
-    lookup_check()
+    mesh_checks()
   else:
     jax.config.update('jax_cpu_collectives_implementation', 'gloo')
     jax.distributed.initialize(f'127.0.0.1:{sys.argv[3]}', num_processes=2,

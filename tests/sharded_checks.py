@@ -1,7 +1,8 @@
 """Checks on row-sharded tables, on 8 simulated CPU devices.
 
-Run in a subprocess (XLA_FLAGS must name the device count before jax is
-imported) by the tests, through `run_checks`:
+Run by the tests in the 8-device process of tests/eight_devices.py (XLA_FLAGS
+must name the device count before jax is imported), through `run_checks`,
+or as a script:
 
     python3 tests/sharded_checks.py MODE [DIR]
 
@@ -29,7 +30,6 @@ if __name__ == '__main__':  # not when pytest imports this file for doctests
 
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import re
-import subprocess
 import sys
 import traceback
 
@@ -53,15 +53,10 @@ NUM_ROWS, STEPS, N_IDS = 64, 6, 16
 
 
 def run_checks(mode, directory=''):
-  """Runs one mode in a subprocess with 8 CPU devices; returns its JSON."""
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = '--xla_force_host_platform_device_count=8'
-  env.pop('JAX_ENABLE_X64', None)
-  proc = subprocess.run(
-      [sys.executable, os.path.abspath(__file__), mode, str(directory)],
-      env=env, capture_output=True, text=True, timeout=900)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  """Runs one mode on 8 CPU devices (tests/eight_devices.py); its result."""
+  import eight_devices  # pylint: disable=g-import-not-at-top
+  return eight_devices.call('sharded_checks', 'run_mode', mode,
+                            str(directory))
 
 
 def make_mesh(axis_type=AxisType.Auto):
@@ -378,9 +373,8 @@ def check_traffic(axis_type):
   return {f'{k[0]}x64 rows, {k[1]} ids': v for k, v in rows.items()}
 
 
-def main(argv):
-  mode = argv[1]
-  directory = argv[2] if len(argv) > 2 else ''
+def run_mode(mode, directory=''):
+  """The result of one MODE (see the module's docstring)."""
   if mode == 'conformance':
     out = check_conformance(directory)
   elif mode == 'duplicates':
@@ -392,8 +386,12 @@ def main(argv):
   elif mode == 'stochastic':
     out = check_stochastic(directory)
   else:
-    raise SystemExit(f'unknown mode {mode!r}')
-  print(json.dumps(out))
+    raise ValueError(f'unknown mode {mode!r}')
+  return out
+
+
+def main(argv):
+  print(json.dumps(run_mode(argv[1], argv[2] if len(argv) > 2 else '')))
 
 
 if __name__ == '__main__':

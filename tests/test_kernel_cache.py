@@ -2,8 +2,14 @@
 a file that cannot be trusted, a crash, or a build inside a trace.
 
 Each case runs in a fresh Python process (the kernels load once per process)
-with its own cache folder; the library is compiled once for the module and
-copied where a case needs a cache that already holds it.
+with its own cache folder. The library is compiled for real once for the
+module, by three processes starting together on an empty cache (one builds,
+the others wait and load it); a case that needs a cache already holding it
+gets a copy. Where a case makes the package build again (a damaged or
+untrusted library, an unusable folder), the package runs its whole build
+(the compiler command, the temporary file, the checksum, the rename, the
+load), but `$CXX` is a compiler cache: the same command line on the same
+sources returns the library compiled first instead of compiling it again.
 """
 
 import hashlib
@@ -29,22 +35,70 @@ _STATUS = textwrap.dedent('''
 ''')
 
 
+# The compiler the cases use: the system's, at -O0, behind a cache.
+_COMPILER_CACHE = textwrap.dedent('''\
+    #!{python}
+    """A C++ compiler at -O0 that compiles each command once.
+
+    A command that writes a file (-o) is keyed by its arguments, less the
+    output's name, and the bytes of every argument that is a file (the
+    sources); a command seen before copies the file it wrote then. With
+    LAZY_OPTAX_TEST_CXX_FRESH=1 it always compiles (and records the result).
+    """
+    import fcntl, hashlib, os, shutil, subprocess, sys
+    REAL, STORE = {real!r}, {store!r}
+    args = sys.argv[1:]
+    if '-o' not in args:
+      os.execv(REAL, [REAL, *args])
+    out = args[args.index('-o') + 1]
+    key = hashlib.sha256()
+    for i, arg in enumerate(args):
+      if i == args.index('-o') + 1:
+        continue
+      key.update(arg.encode() + b'\\0')
+      if os.path.isfile(arg):
+        with open(arg, 'rb') as f:
+          key.update(f.read())
+    kept = os.path.join(STORE, key.hexdigest() + '.so')
+    with open(os.path.join(STORE, '.lock'), 'w') as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      if (os.path.exists(kept)
+          and os.environ.get('LAZY_OPTAX_TEST_CXX_FRESH') != '1'):
+        shutil.copyfile(kept, out)
+        sys.exit(0)
+      code = subprocess.run([REAL, *args, '-O0']).returncode
+      if code == 0:
+        shutil.copyfile(out, kept)
+    sys.exit(code)
+    ''')
+
+
 @pytest.fixture(scope='module', autouse=True)
 def _quick_compiler(tmp_path_factory):
-  """`$CXX` for these tests: the system's compiler at -O0.
+  """`$CXX` for these tests: the system's compiler at -O0, with a cache.
 
   The cases check where a library comes from and when it is trusted, not
-  its speed; an unoptimized build takes a third of the time. A case that
-  sets `CXX` itself (no compiler, a broken one) still overrides it.
+  its speed or its compilation; an unoptimized build takes a third of the
+  time, and a build repeated on the same sources copies the first one. A
+  case that sets `CXX` itself (no compiler, a broken one) still overrides
+  it.
   """
   folder = tmp_path_factory.mktemp('quick_cxx')
+  store = folder / 'compiled'
+  store.mkdir()
   script = folder / 'c++'
-  script.write_text(f'#!/bin/sh\nexec {build.compiler()} "$@" -O0\n')
+  script.write_text(_COMPILER_CACHE.format(
+      python=sys.executable, real=build.compiler(), store=str(store)))
   script.chmod(0o755)
   _QUICK_CXX['CXX'] = str(script)
+  yield store
+  _QUICK_CXX.clear()
 
 
 _QUICK_CXX: dict = {}
+
+# One worker runs the module: the library is compiled once.
+pytestmark = pytest.mark.xdist_group('kernel_cache')
 
 
 def _run(code, cache, **env):
@@ -64,13 +118,39 @@ def _status(done):
   return available == 'True', detail, logs
 
 
+def _start_together(cache, n, **env):
+  """Starts `n` processes on `cache` at once; their outputs."""
+  environ = dict(os.environ, LAZY_OPTAX_CACHE=str(cache), JAX_PLATFORMS='cpu',
+                 **_QUICK_CXX)
+  environ.update(env)
+  procs = [subprocess.Popen([sys.executable, '-c', _STATUS], env=environ,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True) for _ in range(n)]
+  return [p.communicate(timeout=600)[0] for p in procs]
+
+
 @pytest.fixture(scope='module')
-def built(tmp_path_factory):
-  """A cache folder holding the library, built once for these tests."""
+def started_together(tmp_path_factory):
+  """Three processes starting together on an empty cache folder.
+
+  The only real compilation of the module (the compiler cache is bypassed):
+  the library that the other cases copy, or that the compiler cache hands
+  out where they make the package build it again.
+  """
   cache = tmp_path_factory.mktemp('kernel_cache')
   os.chmod(cache, 0o700)
-  available, detail, _ = _status(_run(_STATUS, cache))
-  assert available and '(built)' in detail, detail
+  return cache, _start_together(cache, 3, LAZY_OPTAX_TEST_CXX_FRESH='1')
+
+
+@pytest.fixture(scope='module')
+def built(started_together):
+  """A cache folder holding the library, built once for these tests."""
+  cache, outs = started_together
+  details = [x for out in outs for x in out.splitlines()
+             if x.startswith('STATUS')]
+  assert len(details) == 3 and all(
+      x.startswith('STATUS True') for x in details), outs
+  assert sum('(built)' in x for x in details) == 1, details
   return cache
 
 
@@ -164,7 +244,8 @@ def test_leftovers_of_an_interrupted_build_are_removed(built, tmp_path):
   assert available and not leftover.exists()
 
 
-def test_an_uncreatable_cache_folder_builds_privately(tmp_path):
+def test_an_uncreatable_cache_folder_builds_privately(built, tmp_path):
+  del built  # the compiler cache holds its library
   available, detail, logs = _status(
       _run(_STATUS, '/proc/lazy_optax_cache_cannot_exist'))
   assert available and '(built)' in detail
@@ -259,14 +340,8 @@ def test_a_prebuilt_library_serves_a_machine_without_compiler(built,
   assert not available and 'SHA-256' in detail, detail
 
 
-def test_processes_starting_together_build_once(tmp_path):
-  cache = tmp_path / 'cache'
-  environ = dict(os.environ, LAZY_OPTAX_CACHE=str(cache), JAX_PLATFORMS='cpu',
-                 **_QUICK_CXX)
-  procs = [subprocess.Popen([sys.executable, '-c', _STATUS], env=environ,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for _ in range(3)]
-  outs = [p.communicate(timeout=600)[0] for p in procs]
+def test_processes_starting_together_build_once(started_together):
+  cache, outs = started_together
   assert all('STATUS True' in out for out in outs), outs
   assert sum('building the CPU kernels' in out for out in outs) == 1, outs
   assert len(list(cache.glob('rows_*.so'))) == 1

@@ -1,13 +1,16 @@
 """The CPU kernels on row-sharded tables: 8 devices, and 2 processes x 2.
 
-The checks live in kernel_shards.py and run in subprocesses, since the
-device count must be set before JAX starts.
+The checks live in kernel_shards.py and run in other processes, since the
+device count must be set before JAX starts: the 8-device process of
+tests/eight_devices.py, and two processes of 2 devices each.
 """
 
 import os
 import socket
 import subprocess
 import sys
+
+import eight_devices
 
 _SCRIPT = os.path.join(os.path.dirname(__file__), 'kernel_shards.py')
 
@@ -19,14 +22,12 @@ def _env():
 
 
 def test_each_device_updates_its_rows_with_the_kernel_equal_to_one_device():
-  done = subprocess.run([sys.executable, _SCRIPT, 'mesh'], env=_env(),
-                        capture_output=True, text=True, timeout=900,
-                        check=False)
-  assert done.returncode == 0, done.stderr[-4000:]
-  ok = [line for line in done.stdout.splitlines() if line.startswith('OK')]
+  _, printed = eight_devices.call('kernel_shards', 'mesh_checks',
+                                  with_stdout=True)
+  ok = [line for line in printed.splitlines() if line.startswith('OK')]
   assert ok == ['OK lazy_adam', 'OK lazy_adam_amsgrad',
                 'OK rowwise_adagrad_l2', 'OK partial_rowwise_adam',
-                'OK ftrl', 'OK lookup on an Explicit mesh'], done.stdout
+                'OK ftrl', 'OK lookup on an Explicit mesh'], printed
 
 
 def _free_port():
