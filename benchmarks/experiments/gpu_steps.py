@@ -78,39 +78,15 @@ def jax_train(cfg: dict):
 
 
 def torch_train(cfg: dict, sparse: bool, device: str = 'cuda'):
-  """A blocking `run(k)` of torch's Embedding + (Sparse)Adam on `device`."""
+  """A blocking `run(k)` of torch's Embedding + (Sparse)Adam on `device`
+  (`contenders.py`'s model)."""
   import torch  # pylint: disable=g-import-not-at-top
 
-  dev = torch.device(device)
-  sync = _synchronizer(torch, device)
-  v, d = cfg['rows'], cfg['row']
-  batches = [torch.from_numpy(b.astype(np.int64)).to(dev)
+  cfg = dict(cfg, contender='torch_sparse' if sparse else 'torch_dense')
+  batches = [torch.from_numpy(b.astype(np.int64)).to(device)
              for b in common.make_batches(cfg)]
-  rng = np.random.default_rng(1)
-  emb = torch.nn.Embedding(v, d, sparse=sparse).to(dev)
-  with torch.no_grad():
-    emb.weight.copy_(torch.from_numpy(
-        rng.random((v, d), dtype=np.float32) * np.float32(0.02) - 0.01))
-  w = torch.nn.Parameter(torch.ones(d, device=dev))
-  if sparse:
-    opts = [torch.optim.SparseAdam([emb.weight], lr=common.LR),
-            torch.optim.Adam([w], lr=common.LR)]
-  else:
-    opts = [torch.optim.Adam([emb.weight, w], lr=common.LR)]
-
-  def run(k):
-    for o in opts:
-      o.zero_grad(set_to_none=True)
-    loss = ((emb(batches[k % len(batches)]) @ w - 1.0) ** 2).mean()
-    loss.backward()
-    for o in opts:
-      o.step()
-    sync()
-  return run
-
-
-def _synchronizer(torch, device: str):
-  return torch.cuda.synchronize if device == 'cuda' else (lambda: None)
+  model = contenders.torch_model(cfg, np.random.default_rng(1), device)
+  return contenders.torch_train(model, batches, device)
 
 
 def torch_cuda() -> bool:
@@ -136,8 +112,6 @@ def single_table(rows: int, args: argparse.Namespace) -> dict:
 
 
 def dlrm_model(args: argparse.Namespace) -> dict:
-  import torch  # pylint: disable=g-import-not-at-top
-
   cfg = dict(dlrm.DEFAULTS, pool=args.pool, seed=0)
   runs, compile_s = {}, {}
   for name in ('dlrm_lazy', 'dlrm_lazy_concat', 'dlrm_rowwise_adagrad',
@@ -154,53 +128,11 @@ def dlrm_model(args: argparse.Namespace) -> dict:
       box[0], box[1] = p, s
     runs[name] = run
   if torch_cuda():
-    runs['dlrm_torch_sparse'] = _dlrm_torch(cfg, torch)
+    runs['dlrm_torch_sparse'] = dlrm.torch_train_step(cfg, 'cuda')[0]
   elif args.torch_cpu:
-    runs['dlrm_torch_sparse_cpu'] = _dlrm_torch(cfg, torch, 'cpu')
+    runs['dlrm_torch_sparse_cpu'] = dlrm.torch_train_step(cfg)[0]
   ms = interleaved(runs, args.steps, args.warmup)
   return {'step_ms': ms, 'compile_s': compile_s}
-
-
-def _dlrm_torch(cfg: dict, torch, device: str = 'cuda'):
-  dev = torch.device(device)
-  sync = _synchronizer(torch, device)
-  rng = np.random.default_rng(1)
-  embs = []
-  for t in common.init_tables(cfg, rng):
-    emb = torch.nn.Embedding(t.shape[0], t.shape[1], sparse=True).to(dev)
-    with torch.no_grad():
-      emb.weight.copy_(torch.from_numpy(t))
-    embs.append(emb)
-  layers = []
-  for w, b in common.init_mlp(cfg, rng):
-    lin = torch.nn.Linear(w.shape[0], w.shape[1]).to(dev)
-    with torch.no_grad():
-      lin.weight.copy_(torch.from_numpy(w.T))
-      lin.bias.copy_(torch.from_numpy(b))
-    layers.append(lin)
-  opts = [torch.optim.SparseAdam([e.weight for e in embs], lr=common.LR),
-          torch.optim.Adam([p for lin in layers for p in lin.parameters()],
-                           lr=common.LR)]
-  batches = [{k: torch.from_numpy(
-      v.astype(np.int64) if k == 'ids' else v).to(dev) for k, v in b.items()}
-             for b in common.make_dlrm_batches(cfg)]
-  softplus = torch.nn.functional.softplus
-
-  def run(k):
-    batch = batches[k % len(batches)]
-    for o in opts:
-      o.zero_grad(set_to_none=True)
-    rows = torch.cat([e(batch['ids'][:, i]) for i, e in enumerate(embs)], 1)
-    x = torch.cat([rows, batch['dense']], 1)
-    for lin in layers[:-1]:
-      x = torch.relu(lin(x))
-    logits = layers[-1](x)[:, 0]
-    loss = (softplus(logits) - batch['labels'] * logits).mean()
-    loss.backward()
-    for o in opts:
-      o.step()
-    sync()
-  return run
 
 
 def rules(args: argparse.Namespace) -> dict:

@@ -181,54 +181,71 @@ def _jax_contender(cfg: dict) -> dict:
 # -- torch contenders ---------------------------------------------------------
 
 
-def _torch_contender(cfg: dict) -> dict:
+def torch_model(cfg: dict, rng: np.random.Generator, device: str = 'cpu'):
+  """`(emb, w, opts)`: torch's model of a contender on `device`, its
+  embedding sparse with `SparseAdam` (`torch_sparse`) or dense with `Adam`."""
   import torch  # pylint: disable=g-import-not-at-top
 
-  torch.set_num_threads(cfg['threads'])
-  name = cfg['contender']
   v, d = cfg['rows'], cfg['row']
-  sparse = name == 'torch_sparse'
-  np_batches = make_batches(cfg)
-  batches = [torch.from_numpy(b.astype(np.int64)) for b in np_batches]
-  rng = np.random.default_rng(1)
-  rss_base = rss_mb()
+  sparse = cfg['contender'] == 'torch_sparse'
+  emb = torch.nn.Embedding(v, d, sparse=sparse).to(device)
+  with torch.no_grad():
+    emb.weight.copy_(torch.from_numpy(
+        rng.random((v, d), dtype=np.float32) * np.float32(0.02) - 0.01))
+  w = torch.nn.Parameter(torch.ones(d, device=device))
+  if sparse:
+    opts = [torch.optim.SparseAdam([emb.weight], lr=LR),
+            torch.optim.Adam([w], lr=LR)]
+  else:
+    opts = [torch.optim.Adam([emb.weight, w], lr=LR)]
+  return emb, w, opts
 
-  def fresh_model():
-    emb = torch.nn.Embedding(v, d, sparse=sparse)
-    with torch.no_grad():
-      emb.weight.copy_(torch.from_numpy(
-          rng.random((v, d), dtype=np.float32) * np.float32(0.02) - 0.01))
-    w = torch.nn.Parameter(torch.ones(d))
-    if sparse:
-      opts = [torch.optim.SparseAdam([emb.weight], lr=LR),
-              torch.optim.Adam([w], lr=LR)]
-    else:
-      opts = [torch.optim.Adam([emb.weight, w], lr=LR)]
-    return emb, w, opts
 
-  result: dict = {'ids_digest': ids_digest(np_batches)}
-  emb, w, opts = fresh_model()
+def torch_train(model: tuple, batches: list, device: str = 'cpu'):
+  """`run_train(k)`: one train step of `model` on `batches[k]`, returning
+  when it is done."""
+  import torch  # pylint: disable=g-import-not-at-top
+
+  emb, w, opts = model
+  sync = torch.cuda.synchronize if device == 'cuda' else (lambda: None)
 
   def run_train(k):
     for o in opts:
       o.zero_grad(set_to_none=True)
-    loss = ((emb(batches[k]) @ w - 1.0) ** 2).mean()
+    loss = ((emb(batches[k % len(batches)]) @ w - 1.0) ** 2).mean()
     loss.backward()
     for o in opts:
       o.step()
+    sync()
+  return run_train
+
+
+def _torch_contender(cfg: dict) -> dict:
+  import torch  # pylint: disable=g-import-not-at-top
+
+  torch.set_num_threads(cfg['threads'])
+  v, d = cfg['rows'], cfg['row']
+  sparse = cfg['contender'] == 'torch_sparse'
+  np_batches = make_batches(cfg)
+  batches = [torch.from_numpy(b.astype(np.int64)) for b in np_batches]
+  rng = np.random.default_rng(1)
+  rss_base = rss_mb()
+  result: dict = {'ids_digest': ids_digest(np_batches)}
+  model = torch_model(cfg, rng)
+  run_train = torch_train(model, batches)
 
   t0 = time.perf_counter()
   run_train(0)
   result['first_step_s'] = time.perf_counter() - t0
   result['compile_s'] = 0.0
   result['train'] = time_loop(run_train, len(batches), cfg)
-  del emb, w, opts
+  del model, run_train
   gc.collect()
   if not cfg.get('opt', True):
     result['rss_base_mb'] = rss_base
     return result
 
-  emb, w, opts = fresh_model()
+  emb, w, opts = torch_model(cfg, rng)
   g_rng = np.random.default_rng(2)
   grads_pool = []
   for b in batches[:cfg['grad_pool']]:

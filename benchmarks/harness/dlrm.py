@@ -181,21 +181,24 @@ def _jax_contender(cfg: dict) -> dict:
 # -- torch --------------------------------------------------------------------
 
 
-def _torch_contender(cfg: dict) -> dict:
+def torch_train_step(cfg: dict, device: str = 'cpu'):
+  """torch's DLRM (sparse `nn.Embedding`s, `SparseAdam` + `Adam`) on
+  `device`: `(run_train, np_batches)`, `run_train(k)` one step on batch `k`
+  that returns its loss once the step is done."""
   import torch  # pylint: disable=g-import-not-at-top
 
-  torch.set_num_threads(cfg['threads'])
-  rss_base = rss_mb()
+  dev = torch.device(device)
+  sync = torch.cuda.synchronize if device == 'cuda' else (lambda: None)
   rng = np.random.default_rng(1)
   embs = []
   for t in init_tables(cfg, rng):
-    emb = torch.nn.Embedding(t.shape[0], t.shape[1], sparse=True)
+    emb = torch.nn.Embedding(t.shape[0], t.shape[1], sparse=True).to(dev)
     with torch.no_grad():
       emb.weight.copy_(torch.from_numpy(t))
     embs.append(emb)
   layers = []
   for w, b in init_mlp(cfg, rng):
-    lin = torch.nn.Linear(w.shape[0], w.shape[1])
+    lin = torch.nn.Linear(w.shape[0], w.shape[1]).to(dev)
     with torch.no_grad():
       lin.weight.copy_(torch.from_numpy(w.T))
       lin.bias.copy_(torch.from_numpy(b))
@@ -204,15 +207,14 @@ def _torch_contender(cfg: dict) -> dict:
           torch.optim.Adam([p for lin in layers for p in lin.parameters()],
                            lr=LR)]
   np_batches = make_dlrm_batches(cfg)
-  batches = [{'ids': torch.from_numpy(b['ids'].astype(np.int64)),
-              'dense': torch.from_numpy(b['dense']),
-              'labels': torch.from_numpy(b['labels'])} for b in np_batches]
-  result: dict = {'ids_digest': ids_digest([b['ids'] for b in np_batches]),
-                  'rss_base_mb': rss_base, 'compile_s': 0.0}
+  batches = [{'ids': torch.from_numpy(b['ids'].astype(np.int64)).to(dev),
+              'dense': torch.from_numpy(b['dense']).to(dev),
+              'labels': torch.from_numpy(b['labels']).to(dev)}
+             for b in np_batches]
   softplus = torch.nn.functional.softplus
 
   def run_train(k):
-    batch = batches[k]
+    batch = batches[k % len(batches)]
     for o in opts:
       o.zero_grad(set_to_none=True)
     rows = torch.cat([e(batch['ids'][:, i]) for i, e in enumerate(embs)], 1)
@@ -224,12 +226,24 @@ def _torch_contender(cfg: dict) -> dict:
     loss.backward()
     for o in opts:
       o.step()
+    sync()
     return loss
 
+  return run_train, np_batches
+
+
+def _torch_contender(cfg: dict) -> dict:
+  import torch  # pylint: disable=g-import-not-at-top
+
+  torch.set_num_threads(cfg['threads'])
+  rss_base = rss_mb()
+  run_train, np_batches = torch_train_step(cfg)
+  result: dict = {'ids_digest': ids_digest([b['ids'] for b in np_batches]),
+                  'rss_base_mb': rss_base, 'compile_s': 0.0}
   t0 = time.perf_counter()
   run_train(0)
   result['first_step_s'] = time.perf_counter() - t0
-  result['train'] = time_loop(run_train, len(batches), cfg)
+  result['train'] = time_loop(run_train, len(np_batches), cfg)
   result['final_loss'] = float(run_train(0))
   return result
 
