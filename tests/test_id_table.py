@@ -27,8 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import branch_versions
 import lazy_optax
-from lazy_optax._src import branching
 from lazy_optax._src import id_words
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -162,7 +162,7 @@ def _xla_assigns(name):
   args = (table.init(), jnp.zeros((n, 2), jnp.uint32), jnp.int32(0))
   out = {}
   for branch_free in (False, True):
-    with branching.forced(branch_free):
+    with branch_versions.forced(branch_free):
       fn = jax.jit(lambda s, w, now: table._assign_xla(s, w, now))
       lowered = fn.lower(*args)
     out[branch_free] = (lowered.compile(),

@@ -295,7 +295,7 @@ def test_reset_rows_in_chunks_equals_one_branch_free_reset(share):
   those past the fresh count; GPU and TPU reset every entry at once (those
   past the count name no row). Both give the same bits, and what
   `fresh_rows` gives the fresh slots."""
-  from lazy_optax._src import branching
+  import branch_versions
 
   cap, n = 4096, 600
   rng = np.random.default_rng(1)
@@ -310,7 +310,7 @@ def test_reset_rows_in_chunks_equals_one_branch_free_reset(share):
   assert reset_module._chunk_size(n) < n
   out = {}
   for branch_free in (False, True):
-    with branching.forced(branch_free):
+    with branch_versions.forced(branch_free):
       fn = jax.jit(lambda p, s, f: reset_module._reset(
           tx, INIT, p, s, {'emb': f}, KEY))
       text = fn.lower(params, state, fresh).as_text()

@@ -115,7 +115,7 @@ def test_out_of_range_ids_are_kept_alike_with_and_without_a_branch(ids):
   the same writes (they drop when there is nothing to keep). Both give the
   reference's slots: distinct ids ascending, then the out-of-range ids in
   batch order, then `num_rows`."""
-  from lazy_optax._src import branching
+  import branch_versions
   from lazy_optax._src import distinct
 
   num_rows = 5
@@ -126,10 +126,10 @@ def test_out_of_range_ids_are_kept_alike_with_and_without_a_branch(ids):
   want = np.concatenate([named, ids[outside],
                          np.full(ids.size - named.size - outside.sum(),
                                  num_rows)])
-  raw = distinct._from_ids.__wrapped__   # untraced: sees `forced`
+  raw = distinct._from_ids.__wrapped__   # untraced: traced anew below
   got = {}
   for branch_free in (False, True):
-    with branching.forced(branch_free):
+    with branch_versions.forced(branch_free):
       fn = jax.jit(lambda i, v: raw(i, v, num_rows, False))
       text = fn.lower(ids, values).as_text()
       got[branch_free] = fn(ids, values)

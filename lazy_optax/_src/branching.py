@@ -11,20 +11,15 @@ for every other platform (`jax.lax.platform_dependent`: the choice is made
 when the step is lowered, so the compiled step holds no conditional).
 
 Each site is written as two small functions, so that tests on a CPU can run
-the branch-free one (`forced(True)`, or a direct call) and compare it bit for
-bit with the skipping one.
+the branch-free one (a direct call, or `per_platform` patched to pick it)
+and compare it bit for bit with the skipping one.
 """
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 import jax
-
-_FORCED: contextvars.ContextVar[Optional[bool]] = contextvars.ContextVar(
-    'lazy_optax_branch_free', default=None)
 
 
 def per_platform(skipping: Callable[..., Any], branch_free: Callable[..., Any],
@@ -37,8 +32,7 @@ def per_platform(skipping: Callable[..., Any], branch_free: Callable[..., Any],
     *args: the arguments of both (pytrees of arrays).
 
   Returns:
-    The outputs of the version lowered for the platform (under `forced`, of
-    the version forced, on every platform).
+    The outputs of the version lowered for the platform.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -48,35 +42,5 @@ def per_platform(skipping: Callable[..., Any], branch_free: Callable[..., Any],
     >>> branching.per_platform(skipping, jnp.abs, jnp.array([-1, 2]))
     Array([1, 2], dtype=int32)
   """
-  force = _FORCED.get()
-  if force is not None:
-    return (branch_free if force else skipping)(*args)
   return jax.lax.platform_dependent(*args, cpu=skipping, default=branch_free)
 
-
-@contextlib.contextmanager
-def forced(branch_free: bool) -> Iterator[None]:
-  """Within it, `per_platform` traces one version for every platform.
-
-  For tests: only functions traced inside it see it (a jitted function
-  traced before keeps its trace).
-
-  Args:
-    branch_free: True for the branch-free versions, False for the skipping
-      ones.
-
-  Yields:
-    Nothing.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from lazy_optax._src import branching
-    >>> with branching.forced(True):
-    ...   branching.per_platform(None, jnp.abs, jnp.array([-1, 2]))
-    Array([1, 2], dtype=int32)
-  """
-  token = _FORCED.set(branch_free)
-  try:
-    yield
-  finally:
-    _FORCED.reset(token)
