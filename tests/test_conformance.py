@@ -87,35 +87,59 @@ def test_rule_matches_float64_model(case, jit):
 # -- every implementation ---------------------------------------------------
 
 def _with_out_of_range(data, num_rows, row_shape):
-  """`data` and a batch whose ids fall outside the table on both sides."""
+  """`data` and a batch whose ids fall outside the table on both sides.
+
+  The batch has as many ids as the others (padded with more ids outside
+  the table), so a step compiled for `data` runs it too.
+  """
   rng = np.random.default_rng(5)
-  ids = np.array([-2, 3, num_rows, 3, num_rows + 5, -1, 7, 1], np.int32)
-  return data + [(ids, rng.normal(size=(8, *row_shape)).astype(np.float32))]
+  ids = [-2, 3, num_rows, 3, num_rows + 5, -1, 7, 1]
+  n = len(data[0][0])
+  ids += [num_rows + 1 + k if k % 2 else -3 - k for k in range(n - len(ids))]
+  return data + [(np.array(ids, np.int32),
+                  rng.normal(size=(n, *row_shape)).astype(np.float32))]
 
 
-def _program(tx, params, state, grads):
-  def step(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return lazy_optax.apply_updates(params, updates), state
-  return jax.jit(step).lower(params, state, grads).compile().as_text()
-
-
-def _assert_implementation_runs(case, tx, table, row_shape):
-  """`explain_update` and the compiled step say `case.impl` runs."""
-  params = {'table': jnp.asarray(table)}
-  grads = {'table': SparseRows(jnp.zeros((4,), jnp.int32),
-                               jnp.zeros((4, *row_shape), table.dtype),
-                               NUM_ROWS)}
+def _run_compiled(tx, table, data, dtype=jnp.float32):
+  """`run(tx, table, data, dtype=dtype)`, its step compiled once, ahead of
+  time, for the batches' one shape; returns (params, state, HLO text)."""
+  params = {'table': jnp.asarray(table, dtype)}
   state = tx.init(params)
+  args = (jnp.asarray(data[0][0]), jnp.asarray(data[0][1]))
+  step = jax.jit(sparse_step(tx, table.shape[0]), donate_argnums=(0, 1))
+  compiled = step.lower(params, state, *args).compile()
+  for ids, values in data:
+    params, state = compiled(params, state, jnp.asarray(ids),
+                             jnp.asarray(values))
+  return params, state, compiled.as_text()
+
+
+def _assert_implementation_runs(case, tx, params, state, data, program):
+  """`explain_update` and the compiled step (HLO text `program`) say
+  `case.impl` runs."""
+  ids, values = data[0]
+  grads = {'table': SparseRows(jnp.asarray(ids), jnp.asarray(values),
+                               NUM_ROWS)}
   choice = lazy_optax.explain_update(tx, grads, state, params)['table']
   assert choice.impl == case.impl, choice
   name = ''.join(w.capitalize() for w in choice.rule.split('_'))
   rule_kernel = 'lazy_optax_LazyOptax' + name
   # A rule applied inside the scatter-add (row max-norm) runs as that one.
   fused_kernel = 'lazy_optax_LazyOptaxAdd' + name
-  program = _program(tx, params, state, grads)
   has_kernel = rule_kernel in program or fused_kernel in program
   assert has_kernel == (case.impl == 'cpu_kernel'), (rule_kernel, choice)
+
+
+# The 'generic' run of one configuration on one data set, which every
+# implementation of that configuration is compared with: computed once per
+# process (each pytest worker has its own).
+_GENERIC = {}
+
+
+def _generic_run(key, make_generic, table, data, dtype=jnp.float32):
+  if key not in _GENERIC:
+    _GENERIC[key] = _run_compiled(make_generic(), table, data, dtype)[:2]
+  return _GENERIC[key]
 
 
 @pytest.mark.parametrize('case', IMPL_CASES, ids=str)
@@ -124,14 +148,20 @@ def test_each_implementation_matches_the_model_and_generic(case):
   data = _with_out_of_range(
       batches(1, NUM_ROWS, (D,), steps=case.steps, n_ids=16), NUM_ROWS, (D,))
   tx = case.make()
-  _assert_implementation_runs(case, tx, np.asarray(table, np.float32), (D,))
-  params, state = run(tx, table, data)
+  params, state, program = _run_compiled(tx, table, data)
+  # explain_update sees the initial state (its shapes and dtypes).
+  params0 = {'table': jnp.asarray(table, jnp.float32)}
+  _assert_implementation_runs(case, tx, params0, tx.init(params0), data,
+                              program)
   assert_matches_model(case, params, state, run_model(case, table, data))
   rows = untouched(data, NUM_ROWS)
   assert rows.size > 5
   np.testing.assert_array_equal(np.asarray(params['table'])[rows],
                                 table.astype(np.float32)[rows])
-  generic = run(with_impl(case, 'generic').make(), table, data)
+  generic_case = with_impl(case, 'generic')
+  if case.impl == 'generic':  # this very run is the configuration's generic
+    _GENERIC.setdefault((generic_case.name,), (params, state))
+  generic = _generic_run((generic_case.name,), generic_case.make, table, data)
   for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves(generic)):
     assert (a.dtype, a.shape) == (b.dtype, b.shape)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
@@ -160,10 +190,13 @@ def test_each_implementation_of_16bit_tables_and_states_equals_generic(case,
     return case.fn(case.lr, **{**case.kwargs, **config.kwargs, 'impl': impl})
 
   tx = make(case.impl)
-  _assert_implementation_runs(case, tx, np.asarray(table, config.table),
-                              (2, 3))
-  params, state = run(tx, table, data, dtype=config.table)
-  generic = run(make('generic'), table, data, dtype=config.table)
+  params, state, program = _run_compiled(tx, table, data, config.table)
+  params0 = {'table': jnp.asarray(table, config.table)}
+  _assert_implementation_runs(case, tx, params0, tx.init(params0), data,
+                              program)
+  base = case.name[:case.name.rindex('[')]
+  generic = _generic_run((base, i), lambda: make('generic'), table, data,
+                         config.table)
   rows = untouched(data, NUM_ROWS)
   assert rows.size
   for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves(generic)):
