@@ -511,8 +511,9 @@ def assert_checkpoint_resumes(tx, data, tmp_path, num_rows=40, d=3):
     updates, state = tx.update(grads, state, params)
     return lazy_optax.apply_updates(params, updates), state
 
+  jitted = jax.jit(step, donate_argnums=(0, 1))  # traced once, for all runs
+
   def go(params, state, part):
-    jitted = jax.jit(step, donate_argnums=(0, 1))
     for ids, values in part:
       params, state = jitted(params, state, ids, values)
     return params, state

@@ -414,7 +414,24 @@ def test_state_and_update_dtypes_are_stable(name, make_tx, dtype):
   ids, values = batches(0, 20, (3,), steps=1, n_ids=8)[0]
   grads = {'table': SparseRows(ids, jnp.asarray(values, dtype), 20),
            'b': jnp.ones((3,), dtype)}
-  updates, new_state = jax.jit(tx.update)(grads, state, params)
+
+  # One program: the jitted update, its application, and the same update
+  # inside a lax.cond against "do nothing" (what optax.apply_if_finite and
+  # gradient-skipping loops need), for either branch.
+  @jax.jit
+  def steps(pred, params, state, grads):
+    updates, new_state = tx.update(grads, state, params)
+
+    def do(args):
+      params, state, grads = args
+      u, s = tx.update(grads, state, params)
+      return lazy_optax.apply_updates(params, u), s
+    maybe = jax.lax.cond(pred, do, lambda args: args[:2],
+                         (params, state, grads))
+    return (updates, new_state, lazy_optax.apply_updates(params, updates),
+            maybe)
+
+  updates, new_state, new_params, _ = steps(True, params, state, grads)
   assert _structs(new_state) == _structs(state)
   # A SparseRows update has the dtype the dense update of the same rule has.
   expected = jax.eval_shape(tx.update, params, state, params)[0]
@@ -422,22 +439,11 @@ def test_state_and_update_dtypes_are_stable(name, make_tx, dtype):
   assert updates['table'].ids.dtype == jnp.int32
   assert updates['table'].values.shape == (len(ids), 3)
   assert updates['b'].dtype == expected['b'].dtype
-  new_params = lazy_optax.apply_updates(params, updates)
   assert _structs(new_params) == _structs(params)
 
-  # The state's types survive a lax.cond against "do nothing" (what
-  # optax.apply_if_finite and gradient-skipping loops need).
-  @jax.jit
-  def maybe_update(pred, params, state, grads):
-    def do(args):
-      params, state, grads = args
-      u, s = tx.update(grads, state, params)
-      return lazy_optax.apply_updates(params, u), s
-    return jax.lax.cond(pred, do, lambda args: args[:2],
-                        (params, state, grads))
-
+  # The state's types survive the lax.cond.
   for pred in (True, False):
-    p, s = maybe_update(pred, params, state, grads)
+    p, s = steps(pred, params, state, grads)[3]
     assert _structs(s) == _structs(state)
     assert _structs(p) == _structs(params)
   np.testing.assert_array_equal(p['table'], params['table'])  # pred False
