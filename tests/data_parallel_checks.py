@@ -61,10 +61,8 @@ def main():
   for name, combine, scale in (('psum', lazy_optax.tree.psum, 1.0),
                                ('pmean', lazy_optax.tree.pmean, 1.0 / 8)):
     # One device, whole batch (the pmean loss is the mean of 8 slice sums).
-    whole = lambda p, i, t, s=scale: s * loss_fn(p, i, t)
-    _, grads = lazy_optax.value_and_grad(whole)(params, ids, targets)
-    updates, want_state = tx.update(grads, tx.init(params), params)
-    want = lazy_optax.apply_updates(params, updates)
+    want, want_state = one_device_step(tx, loss_fn, params, (ids, targets),
+                                       scale)
 
     for check_vma in (True, False):
       sharded = jax.jit(jax.shard_map(
@@ -116,6 +114,33 @@ def main():
   print('data parallel checks passed')
 
 
+def _one_device_step(tx, loss, params, state, scale, *batch):
+  whole = lambda p, *b: scale * loss(p, *b)
+  _, grads = lazy_optax.value_and_grad(whole)(params, *batch)
+  updates, state = tx.update(grads, state, params)
+  return lazy_optax.apply_updates(params, updates), state
+
+
+def one_device_step(tx, loss, params, batch, scale=1.0):
+  """The reference: one step of `tx` on one device and the whole batch.
+
+  Jitted (one program, the scale an argument of it), not an eager dispatch
+  per operation; the state is made outside jit, as a training loop makes it.
+
+  Args:
+    tx: the optimizer.
+    loss: the loss, `loss(params, *batch)`.
+    params: the parameters.
+    batch: the whole batch's arrays (on one device).
+    scale: a number multiplying the loss.
+
+  Returns:
+    The new parameters and optimizer state.
+  """
+  step = jax.jit(_one_device_step, static_argnums=(0, 1))
+  return step(tx, loss, params, tx.init(params), jnp.float32(scale), *batch)
+
+
 def reduced_values_are_refused(mesh, params, ids_split):
   """Values summed across devices by autodiff, ids per device: refused."""
 
@@ -150,9 +175,7 @@ def docs_snippet_runs():
   tx, loss_fn = namespace['tx'], namespace['loss_fn']
   params0 = {'table': jnp.zeros((1000, 16)), 'w': jnp.ones((16,))}
   ids = jnp.arange(64) % 100
-  _, grads = lazy_optax.value_and_grad(loss_fn)(params0, ids, jnp.ones(64))
-  updates, _ = tx.update(grads, tx.init(params0), params0)
-  want = lazy_optax.apply_updates(params0, updates)
+  want, _ = one_device_step(tx, loss_fn, params0, (ids, jnp.ones(64)))
   np.testing.assert_allclose(namespace['params']['table'], want['table'],
                              rtol=2e-6, atol=1e-7)
 

@@ -248,11 +248,14 @@ def test_accumulating_k_steps_matches_adam_on_the_mean_gradient(how):
   state = tx.init(params)
   if how == 'multi_steps':  # the table's buffer: k x 8 ids, not V rows
     assert state.acc['emb']['table'].values.shape == (k * 8, D)
-  update = jax.jit(tx.update)
+
+  @jax.jit  # with apply_updates: eager, each of its operations on the
+  def step(params, state, grads):  # k x 8 rows was a program of its own
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
   for ids, values, w_grad in batches:
-    updates, state = update(prepare(_grads(ids, values, w_grad)), state,
-                            params)
-    params = lazy_optax.apply_updates(params, updates)
+    params, state = step(params, state, prepare(_grads(ids, values, w_grad)))
   # float64 reference: optax's Adam on the rows whose mean gradient over the
   # k mini-batches is non-zero; all other rows and their moments stay put.
   p = np.array(_params()['emb']['table'], np.float64)

@@ -93,19 +93,32 @@ def test_transform_before_lazy_equals_dense(name, jit):
 
 def test_clip_before_lazy_as_first_reported():
   """ids [1, 1, 1, 1, 2], rows of ones: dense norm sqrt(17), not sqrt(5)."""
-  g = SparseRows(jnp.array([1, 1, 1, 1, 2]), jnp.ones((5, 1)), 4)
+  ids, values = jnp.array([1, 1, 1, 1, 2]), jnp.ones((5, 1))
   params = {'t': jnp.zeros((4, 1))}
   for clip, row1 in ((optax.clip_by_global_norm(1.0), -4 / np.sqrt(17)),
                      (optax.clip(0.5), -0.5)):
     tx = optax.chain(clip, lazy_optax.lazy(optax.sgd(1.0)))
-    updates, _ = tx.update({'t': g}, tx.init(params), params)
-    new = lazy_optax.apply_updates(params, updates)['t'][:, 0]
+
+    # One program per clip (eager, each operation of a step on these new
+    # shapes compiled a program of its own); the eager path is the
+    # [*-eager] cases of test_transform_before_lazy_equals_dense.
+    @jax.jit
+    def step(params, state, ids, values, tx=tx):
+      g = SparseRows(ids, values, 4)
+      updates, _ = tx.update({'t': g}, state, params)
+      return lazy_optax.apply_updates(params, updates)
+
+    new = step(params, tx.init(params), ids, values)['t'][:, 0]
     np.testing.assert_allclose(new[1], row1, rtol=1e-6)
 
 
 def test_zero_nans_before_lazy_matches_dense_with_a_nan():
-  ids = jnp.array([2, 2, 5])
-  values = jnp.array([[1., np.nan, 1.], [1., 1., 1.], [2., 2., 2.]])
+  # Seven ids, as in _batches, so that the steps of the other tests run
+  # (not new programs for three ids): four zero rows more on id 5 leave
+  # its sum, and the dense gradient, as they were.
+  ids = jnp.array([2, 2, 5, 5, 5, 5, 5])
+  values = jnp.array([[1., np.nan, 1.], [1., 1., 1.], [2., 2., 2.]]
+                     + [[0., 0., 0.]] * 4)
   tx = optax.chain(optax.zero_nans(), lazy_optax.lazy(optax.sgd(1.0)))
   dense = optax.chain(optax.zero_nans(), optax.sgd(1.0))
   np.testing.assert_allclose(_run_sparse(tx, [(ids, values)], True),
@@ -219,11 +232,16 @@ def test_multi_steps_moves_only_rows_of_the_window():
                               ids_per_step={'t': 7})
   state = tx.init(params)
   touched = set()
-  step = jax.jit(lambda p, s, g: tx.update({'t': g}, s, p))
+
+  @jax.jit  # the whole step: eager, each operation was a program of its own
+  def step(params, state, ids, values):
+    updates, state = tx.update({'t': SparseRows(ids, values, V)}, state,
+                               params)
+    return lazy_optax.apply_updates(params, updates), state
+
   for ids, values in _batches(steps=4):
     touched |= set(np.asarray(ids).tolist())
-    updates, state = step(params, state, SparseRows(ids, values, V))
-    params = lazy_optax.apply_updates(params, updates)
+    params, state = step(params, state, ids, values)
   moved = set(np.flatnonzero(np.any(np.asarray(params['t']) != np.asarray(
       _table()), axis=1)).tolist())
   assert moved == touched
@@ -367,6 +385,15 @@ def test_leaves_concatenated_by_a_tree_map_are_summed_again():
   both = [(jnp.concatenate([ids1, ids2]), jnp.concatenate([v1, v2]))]
   tx = lazy_optax.lazy(optax.sgd(1.0))
   params = {'t': _table()}
-  updates, _ = jax.jit(tx.update)({'t': g}, tx.init(params), params)
-  np.testing.assert_allclose(lazy_optax.apply_updates(params, updates)['t'],
-                             _run_dense(optax.sgd(1.0), both), rtol=1e-6)
+
+  @jax.jit  # the whole step: eager, each operation was a program of its own
+  def step(params, state, g):
+    updates, _ = tx.update({'t': g}, state, params)
+    return lazy_optax.apply_updates(params, updates)
+
+  # Dense sgd(1.0) on the duplicate-summed rows, in numpy.
+  (ids, values), = both
+  want = np.asarray(_table()).copy()
+  np.subtract.at(want, np.asarray(ids), np.asarray(values))
+  np.testing.assert_allclose(step(params, tx.init(params), g)['t'], want,
+                             rtol=1e-6)
