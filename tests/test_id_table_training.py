@@ -169,14 +169,19 @@ def test_reset_rows_gives_what_init_gives_a_fresh_row(name):
   }
   tx = txs[name]()
   init_state = tx.init(params)
-  # Train a few steps so that every state row has moved.
-  state, p = init_state, params
-  for k in range(3):
+  # Train a few steps so that every state row has moved (one jitted step,
+  # not each optimizer op dispatched on its own).
+  @jax.jit
+  def train(state, p, k):
     g = {'emb': lazy_optax.SparseRows(jnp.arange(10) % 10,
                                       jnp.full((10, 4), 1.0 + k), 10),
          'w': jnp.ones(3)}
     updates, state = tx.update(g, state, p)
-    p = lazy_optax.apply_updates(p, updates)
+    return state, lazy_optax.apply_updates(p, updates)
+
+  state, p = init_state, params
+  for k in range(3):
+    state, p = train(state, p, jnp.float32(k))
   before = jax.tree.map(np.asarray, (p, state))
   fresh = _fresh([3, 10, 7, 10], np.array([11, 0, 2 ** 50, 5]), 10)
   new_p, new_state = lazy_optax.reset_rows(
