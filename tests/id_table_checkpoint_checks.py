@@ -82,7 +82,10 @@ def _targets(sharded_too=True):
   for name, (table, sharded) in configs().items():
     state = table.init()
     if sharded and sharded_too:
-      state = jax.device_put(state, table.shardings(_mesh(), 'rows'))
+      # From the host: placing a device array's shards compiles a slicing
+      # program per leaf shape; host arrays are copied as they are.
+      state = jax.device_put(jax.tree.map(np.asarray, state),
+                             table.shardings(_mesh(), 'rows'))
     out[name] = state
   return out
 
