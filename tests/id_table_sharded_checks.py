@@ -84,10 +84,13 @@ def run(mesh, lookup):
   step = _step_fn(table_ids, tx, lookup)
   if mesh is not None:
     rows = NamedSharding(mesh, P('rows'))
-    params = jax.device_put(params, {'emb': rows})
+    # From the host (the same values): placing a device array's shards
+    # compiles a slicing program per leaf shape.
+    params = jax.device_put(jax.tree.map(np.asarray, params), {'emb': rows})
     opt_state = lazy_optax.sharding.init_sharded(tx, params)
     id_shardings = table_ids.shardings(mesh, 'rows')
-    id_state = jax.device_put(id_state, id_shardings)
+    id_state = jax.device_put(jax.tree.map(np.asarray, id_state),
+                              id_shardings)
     before = [x.sharding for x in jax.tree.leaves((params, opt_state,
                                                    id_state))]
   jitted = jax.jit(step, donate_argnums=(0, 1, 2))
