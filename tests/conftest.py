@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 
@@ -11,6 +12,35 @@ sys.path.insert(0, os.path.dirname(__file__))
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ['PYTHONPATH'] = os.pathsep.join(
     p for p in (_ROOT, os.environ.get('PYTHONPATH')) if p)
+
+
+# Programs compiled for checking, not for speed. The suite checks what the
+# library computes and which programs it builds (which kernels, copies,
+# donations, conditionals); how well XLA optimizes their machine code changes
+# none of that, and was half of the suite's CPU time (2,131 -> 1,119 CPU s).
+# So every process of the run (they inherit the environment) compiles with
+# jax's `jax_disable_most_optimizations` and, where this jaxlib knows the
+# flag (one probe per run), XLA's CPU fusion emitters off. The benchmarks,
+# the demo and the wheel's kernel check in .ci/run compile as users do;
+# LAZY_OPTAX_TEST_OPTIMIZED=1 runs the suite that way too.
+_EMITTERS_OFF = '--xla_cpu_use_fusion_emitters=false'
+
+
+def _xla_knows(flag: str) -> bool:
+  """Whether this jaxlib starts with `flag` (XLA aborts on unknown flags)."""
+  probe = 'import jax.numpy as jnp; jnp.zeros(1).block_until_ready()'
+  env = dict(os.environ, JAX_PLATFORMS='cpu',
+             XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} {flag}")
+  return subprocess.run([sys.executable, '-c', probe], env=env,
+                        capture_output=True, check=False).returncode == 0
+
+
+if os.environ.get('LAZY_OPTAX_TEST_OPTIMIZED') != '1':
+  os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
+  if (_EMITTERS_OFF not in os.environ.get('XLA_FLAGS', '')
+      and _xla_knows(_EMITTERS_OFF)):
+    os.environ['XLA_FLAGS'] = (
+        f"{os.environ.get('XLA_FLAGS', '')} {_EMITTERS_OFF}".strip())
 
 
 # JAX's persistent compilation cache, shared by this run's processes: the

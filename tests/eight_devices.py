@@ -47,7 +47,8 @@ _SERVER: dict = {}
 def environment():
   """The 8-device process's environment: this one, with 8 CPU devices."""
   env = dict(os.environ, JAX_PLATFORMS='cpu',
-             XLA_FLAGS='--xla_force_host_platform_device_count=8')
+             XLA_FLAGS=os.environ.get('XLA_FLAGS', '')
+             + ' --xla_force_host_platform_device_count=8')
   env.pop('JAX_ENABLE_X64', None)
   return env
 

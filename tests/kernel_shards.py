@@ -19,8 +19,10 @@ import re
 import sys
 
 if __name__ == '__main__':  # not when pytest imports this file for doctests
-  os.environ['XLA_FLAGS'] = '--xla_force_host_platform_device_count=' + (
-      '8' if sys.argv[1] == 'mesh' else '2')
+  os.environ['XLA_FLAGS'] = (
+      os.environ.get('XLA_FLAGS', '')
+      + ' --xla_force_host_platform_device_count='
+      + ('8' if sys.argv[1] == 'mesh' else '2'))
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import functools
