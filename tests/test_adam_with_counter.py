@@ -62,9 +62,11 @@ def test_late_row_first_step_is_lr_per_row_and_2_5x_global():
 
     state = warm(state)
     g = {'t': lazy_optax.SparseRows(jnp.array([5]), g_new, num_rows)}
-    updates, state = tx.update(g, state, params)
+    # One program, not the update's ops dispatched one by one.
+    updates, state = jax.jit(tx.update)(g, state, params)
     assert int(lazy_optax.compat.global_step(state)) == 1000
-    return np.asarray(lazy_optax.apply_updates(params, updates)['t'][5])
+    return np.asarray(
+        jax.jit(lazy_optax.apply_updates)(params, updates)['t'][5])
 
   # Per row: the first step of a fresh Adam, exactly -lr * sign(g).
   np.testing.assert_allclose(late_step(lazy_optax.adam_with_counter(lr)),
@@ -99,13 +101,18 @@ def test_per_row_equals_an_independent_adam_per_row():
   batches = _batches(6)
   params, _, _ = _run(lazy_optax.adam_with_counter(0.05, eps=0.0), table,
                       batches)
+  adam = optax.adam(0.05, eps=0.0)
+
+  @jax.jit  # one step of the reference in one program, not op by op
+  def adam_step(g, s, p):
+    u, s = adam.update(g, s)
+    return p + u, s
+
   for i, seq in _row_sequences(batches, 20).items():
-    adam = optax.adam(0.05, eps=0.0)
     p = jnp.asarray(table[i], jnp.float32)
     s = adam.init(p)
     for _, g in seq:
-      u, s = adam.update(jnp.asarray(g, jnp.float32), s)
-      p = p + u
+      p, s = adam_step(jnp.asarray(g, jnp.float32), s, p)
     np.testing.assert_allclose(params['table'][i], p, rtol=2e-5, atol=1e-6)
 
 
@@ -117,17 +124,18 @@ def test_catch_up_equals_dense_adam_from_first_appearance():
   batches = _batches(8)
   tx = lazy_optax.adam_with_counter(0.05, eps=0.0, catch_up=True)
   params, _, _ = _run(tx, table, batches)
+  adam = optax.adam(0.05, eps=0.0)
+  adam_update = jax.jit(adam.update)  # one program, not op by op
   for i, seq in _row_sequences(batches, 20).items():
     if not seq:
       np.testing.assert_array_equal(params['table'][i], np.float32(table[i]))
       continue
     grads_at = dict(seq)
-    adam = optax.adam(0.05, eps=0.0)
     p = jnp.asarray(table[i], jnp.float32)
     s = adam.init(p)
     for t in range(seq[0][0], seq[-1][0] + 1):
       g = grads_at.get(t, np.zeros(3))
-      u, s = adam.update(jnp.asarray(g, jnp.float32), s)
+      u, s = adam_update(jnp.asarray(g, jnp.float32), s)
       if t in grads_at:
         p = p + u
     np.testing.assert_allclose(params['table'][i], p, rtol=2e-5, atol=1e-6)
@@ -143,9 +151,11 @@ def test_catch_up_global_moments_equal_dense_adam_moments():
   dense = optax.scale_by_adam(B1, B2)
   dstate = dense.init(jnp.zeros((20, 3)))
   last = np.zeros(20, int)
+  # The dense reference's step in one program, not op by op.
+  dense_step = jax.jit(lambda ids, values, s: dense.update(
+      lazy_optax.SparseRows(ids, values, 20).to_dense(), s)[1])
   for t, (ids, values) in enumerate(batches, start=1):
-    g = lazy_optax.SparseRows(ids, jnp.asarray(values, jnp.float32), 20)
-    _, dstate = dense.update(g.to_dense(), dstate)
+    dstate = dense_step(ids, jnp.asarray(values, jnp.float32), dstate)
     last[np.unique(ids)] = t
   # Rows last touched at the final step: their moments are dense Adam's.
   final = np.flatnonzero(last == len(batches))
@@ -169,13 +179,18 @@ def test_dense_rows_every_step_equal_optax_adamw():
   ref = optax.adamw(0.05, eps=0.0, weight_decay=0.1)
   s_ours, s_ref = ours.init(params), ref.init(params)
   p_ours = p_ref = params
-  for _ in range(6):
-    g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape),
-                                           jnp.float32), params)
+
+  @jax.jit  # both steps in one program, not op by op
+  def steps(g, s_ours, p_ours, s_ref, p_ref):
     u, s_ours = ours.update(g, s_ours, p_ours)
     p_ours = lazy_optax.apply_updates(p_ours, u)
     u, s_ref = ref.update(g, s_ref, p_ref)
-    p_ref = optax.apply_updates(p_ref, u)
+    return s_ours, p_ours, s_ref, optax.apply_updates(p_ref, u)
+
+  for _ in range(6):
+    g = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape),
+                                           jnp.float32), params)
+    s_ours, p_ours, s_ref, p_ref = steps(g, s_ours, p_ours, s_ref, p_ref)
   for k in params:
     np.testing.assert_allclose(p_ours[k], p_ref[k], rtol=2e-5, atol=1e-6)
 
@@ -205,11 +220,16 @@ def test_weight_decay_mask_and_schedule():
                            mask={'table': False})
   state = tx.init(params)
   model = AdamWithCounter(table, lr=None)
+
+  @jax.jit  # one program, not the update's ops one by one
+  def step(params, state, ids, values):
+    g = {'table': lazy_optax.SparseRows(ids, values, 20)}
+    u, state = tx.update(g, state, params)
+    return lazy_optax.apply_updates(params, u), state
+
   for t, (ids, values) in enumerate(batches):
     model.lr = float(sched(t))
     model.step(ids, values)
-    g = {'table': lazy_optax.SparseRows(ids, jnp.asarray(values, jnp.float32),
-                                        20)}
-    u, state = tx.update(g, state, params)
-    params = lazy_optax.apply_updates(params, u)
+    params, state = step(params, state, ids,
+                         jnp.asarray(values, jnp.float32))
   np.testing.assert_allclose(params['table'], model.p, rtol=3e-5, atol=1e-6)

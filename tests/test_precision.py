@@ -101,7 +101,7 @@ def test_low_precision_dtypes_stable_in_optax_formulation(dtype):
   expected = _dtypes(state)
   assert optax.tree_utils.tree_get(state, 'mu')['table'].dtype == jnp.float32
   # Updates have the dtype that optax.adam gives a dense gradient.
-  dense_updates, _ = dense_tx.update(
+  dense_updates, _ = jax.jit(dense_tx.update)(  # one program, not op by op
       {'table': jnp.ones((NUM_ROWS, D), dtype)}, dense_tx.init(params))
   step = _step_fn(tx)
   for ids, values in _batches(2):

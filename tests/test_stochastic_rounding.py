@@ -11,10 +11,13 @@ from sharded_checks import run_checks
 import lazy_optax
 
 KEY = jax.random.key(42)
+# One program per shape and dtype, not the rounding's ops one by one.
+_round = jax.jit(lazy_optax.precision.stochastic_round, static_argnums=1)
 
 
 def _f32(x):
-  return np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+  # Widened in numpy (exact from 16 bits), not by a device op.
+  return np.asarray(jnp.asarray(x)).astype(np.float64)
 
 
 @pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float16])
@@ -34,8 +37,7 @@ def test_rounding_is_unbiased(dtype):
     xs.extend(np.float32(lo + f * gap) for f in fractions)
   x = np.asarray(xs, np.float32)
   n = 100_000
-  draws = lazy_optax.precision.stochastic_round(
-      jnp.broadcast_to(x, (n, x.size)), dtype, KEY)
+  draws = _round(jnp.broadcast_to(x, (n, x.size)), dtype, KEY)
   assert draws.dtype == dtype
   values = _f32(draws)
   mean = values.mean(axis=0)
@@ -57,13 +59,12 @@ def test_rounding_is_unbiased(dtype):
 def test_special_values_and_saturation():
   x = jnp.array([np.nan, np.inf, -np.inf, 3.4e38, -3.4e38, 0.0, -0.0],
                 jnp.float32)
-  y = _f32(lazy_optax.precision.stochastic_round(x, jnp.bfloat16, KEY))
+  y = _f32(_round(x, jnp.bfloat16, KEY))
   assert np.isnan(y[0]) and y[1] == np.inf and y[2] == -np.inf
   big = float(jnp.finfo(jnp.bfloat16).max)
   assert y[3] == big and y[4] == -big
   assert y[5] == 0 and y[6] == 0
-  y16 = _f32(lazy_optax.precision.stochastic_round(jnp.array([7e4, 1e-8], jnp.float32),
-                                         jnp.float16, KEY))
+  y16 = _f32(_round(jnp.array([7e4, 1e-8], jnp.float32), jnp.float16, KEY))
   assert y16[0] == float(jnp.finfo(jnp.float16).max)
   assert y16[1] in (0.0, float(jnp.finfo(jnp.float16).smallest_subnormal))
 
@@ -78,10 +79,11 @@ def test_small_updates_kept_on_average_untouched_rows_bit_for_bit():
   ids = jnp.array([1, 5], jnp.int32)
   values = jnp.full((2, 4096), 1e-3, jnp.float32)  # 1/8 of an ulp at 1.0
   updates = {'t': lazy_optax.SparseRows(ids, values, 8)}
-  nearest = lazy_optax.apply_updates({'t': table}, updates)['t']
+  # Each in one program, not op by op.
+  nearest = jax.jit(lazy_optax.apply_updates)({'t': table}, updates)['t']
   assert bool((nearest == 1).all())  # lost: below half an ulp
-  new = lazy_optax.precision.apply_updates_stochastic({'t': table}, updates, key=KEY,
-                                            step=0)['t']
+  new = jax.jit(lambda p, u: lazy_optax.precision.apply_updates_stochastic(
+      p, u, key=KEY, step=0))({'t': table}, updates)['t']
   rows = _f32(new)
   np.testing.assert_allclose(rows[[1, 5]].mean(axis=1), 1.001, atol=3e-4)
   np.testing.assert_array_equal(np.asarray(new)[[0, 2, 3, 4, 6, 7]],
@@ -94,10 +96,14 @@ def test_bits_depend_on_seed_step_and_row_only():
   ids = rng.permutation(64)[:20].astype(np.int32)
   values = (1e-3 * rng.normal(size=(20, 8))).astype(np.float32)
 
-  def apply(ids, values, step, key=KEY):
+  @jax.jit  # one program per batch shape, not op by op
+  def jitted(ids, values, step, key):
     return lazy_optax.precision.apply_updates_stochastic(
         {'t': table}, {'t': lazy_optax.SparseRows(ids, values, 64)},
         key=key, step=step)['t']
+
+  def apply(ids, values, step, key=KEY):
+    return jitted(ids, values, step, key)
 
   first = np.asarray(apply(ids, values, 3))
   perm = rng.permutation(20)
@@ -111,16 +117,16 @@ def test_bits_depend_on_seed_step_and_row_only():
   # The same rows updated inside a dense update: the same bits.
   dense = np.zeros((64, 8), np.float32)
   dense[ids] = values
-  dense_out = lazy_optax.precision.apply_updates_stochastic(
-      {'t': table}, {'t': jnp.asarray(dense)}, key=KEY, step=3)['t']
+  dense_out = jax.jit(lambda u: lazy_optax.precision.apply_updates_stochastic(
+      {'t': table}, {'t': u}, key=KEY, step=3)['t'])(jnp.asarray(dense))
   np.testing.assert_array_equal(np.asarray(dense_out)[ids], first[ids])
   assert not np.array_equal(np.asarray(apply(ids, values, 4)), first)
   assert not np.array_equal(
       np.asarray(apply(ids, values, 3, jax.random.key(1))), first)
   # Parameters at other paths draw other bits.
-  both = lazy_optax.precision.apply_updates_stochastic(
-      {'a': table, 'b': table},
-      {'a': jnp.asarray(dense), 'b': jnp.asarray(dense)}, key=KEY, step=3)
+  both = jax.jit(lambda u: lazy_optax.precision.apply_updates_stochastic(
+      {'a': table, 'b': table}, {'a': u, 'b': u}, key=KEY, step=3))(
+          jnp.asarray(dense))
   assert not np.array_equal(np.asarray(both['a']), np.asarray(both['b']))
 
 
