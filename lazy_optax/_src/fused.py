@@ -451,6 +451,8 @@ def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
   backend = _decided(rule, g, impl, context, block, blocks)
   if backend.kind == 'generic':
     return _dense(rule, g, rows, params, hyper)
+  if block.backends is None:  # probing: the rows, as if written to tables
+    return _probed(rule, g, rows, params, hyper, context, blocks)
   tables = {k: b.table for k, b in blocks.items() if k in rows}
   if backend.kind == 'xla':
     new, u = _xla_tables(rule, g, tables, block.ids, params, hyper,
@@ -466,6 +468,19 @@ def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
   for k, table in new.items():
     stored[k] = row_ops.gather(table, block.ids, backend)
     context.wrote(stored[k], table, block.name)
+  return u, stored
+
+
+def _probed(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
+            hyper: Any, context: RowContext, blocks: dict[str, Block]
+            ) -> tuple[Any, dict[str, Any]]:
+  """What a rule hands `lazy` while it probes: the new rows of the rule's
+  arithmetic, each marked as standing for its written table (what `lazy`
+  needs to see which tables come back), without the gathers and writes
+  that only the traced step needs."""
+  u, stored = _dense(rule, g, rows, params, hyper)
+  for k, new in stored.items():
+    context.wrote(new, blocks[k].table, blocks[k].name)
   return u, stored
 
 

@@ -164,6 +164,16 @@ class _Plan(NamedTuple):
   rules: dict[int, dict[str, _backend.Backend]]  # each rule's update
 
 
+def _signature(tree: Any) -> tuple[Any, ...]:
+  """`row_state.signature`, a `SparseRows` described by its shapes, not
+  flattened: flattening one built from ids encodes them (ops that a trace
+  would carry to its end unused)."""
+  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_sparse_rows)
+  return treedef, tuple(
+      (x.num_rows, x.num_ids, x.row_shape, str(x.dtype))
+      if is_sparse_rows(x) else row_state.leaf_signature(x) for x in leaves)
+
+
 class _ProbeCache:
   """What the rules ask for, per tree signature (one abstract trace each)."""
 
@@ -173,7 +183,7 @@ class _ProbeCache:
 
   def __call__(self, probe: Any, tree: Any
                ) -> tuple[dict[str, list[fused.Request]], set[str]]:
-    key = (row_state.signature(tree), cpu_kernels.loaded())
+    key = (_signature(tree), cpu_kernels.loaded())
     known = self._known.get(key)
     if known is None:
       box = []

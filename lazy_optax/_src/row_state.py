@@ -3,8 +3,8 @@
 `lazy(tx)` must gather and scatter the rows of every state leaf that mirrors
 a row-lazy parameter (`mu`, `nu`, traces, accumulators, per-row counters) and
 leave the other leaves (`count`, hyperparameters) whole. The owners are found
-from `tx.init` itself, without running it: `jax.eval_shape` initialises the
-state once for the real shapes and once with each row-lazy parameter given a
+from `tx.init` itself, without running it: one `jax.eval_shape` initialises
+the state for the real shapes and again with each row-lazy parameter given a
 distinct, otherwise unused row count. A leaf whose leading size follows that
 probe belongs to that parameter. This sees through `optax.chain`,
 `optax.partition`, `optax.masked` and `optax.inject_hyperparams` alike, and a
@@ -57,8 +57,9 @@ def row_owners(
       transformation or a leaf depends on a table in a way other than one
       entry per row.
   """
-  real = jax.eval_shape(init_fn, rebuild_params(list(param_shapes)))
-  used = _all_dims((real, state, param_shapes))
+  # The probe sizes avoid every size in the state and the parameters (a
+  # state that differs from what `init` gives is refused below).
+  used = _all_dims((state, param_shapes))
   probe_shapes = list(param_shapes)
   probe_of: dict[int, int] = {}
   size = _FIRST_PROBE
@@ -70,7 +71,6 @@ def row_owners(
     probe_shapes[pos] = jax.ShapeDtypeStruct((size, *shape.shape[1:]),
                                              shape.dtype)
     size += 2
-  probe = jax.eval_shape(init_fn, rebuild_params(probe_shapes))
   # A second probe grows the row shape (not the row count) of the row-lazy
   # parameters: a leaf that follows it but not the row count holds a
   # statistic across rows (adafactor's factored column moment, a column
@@ -80,8 +80,11 @@ def row_owners(
     shape = param_shapes[pos]
     trail_shapes[pos] = jax.ShapeDtypeStruct(
         (shape.shape[0], *(d + 1 for d in shape.shape[1:])), shape.dtype)
-  trail_leaves = jax.tree.leaves(
-      jax.eval_shape(init_fn, rebuild_params(trail_shapes)))
+  # The real shapes and both probes, in one abstract evaluation.
+  real, probe, trail = jax.eval_shape(
+      lambda *shapes: tuple(init_fn(rebuild_params(s)) for s in shapes),
+      list(param_shapes), probe_shapes, trail_shapes)
+  trail_leaves = jax.tree.leaves(trail)
 
   real_paths, real_def = jax.tree_util.tree_flatten_with_path(real)
   state_leaves, state_def = jax.tree.flatten(state)
@@ -128,16 +131,20 @@ def row_owners(
   return owners
 
 
+def leaf_signature(x: Any) -> tuple[Any, ...]:
+  """A leaf's shape and dtype (its type where it has no dtype)."""
+  return tuple(getattr(x, 'shape', ())), str(getattr(x, 'dtype', type(x)))
+
+
 def signature(tree: Any) -> tuple[Any, ...]:
   leaves, treedef = jax.tree.flatten(tree)
-  return (treedef, tuple((tuple(getattr(x, 'shape', ())),
-                          str(getattr(x, 'dtype', type(x)))) for x in leaves))
+  return treedef, tuple(leaf_signature(x) for x in leaves)
 
 
 class OwnerCache:
   """`row_owners` for one transformation, remembered per tree signature.
 
-  `row_owners` traces `init` three times with `jax.eval_shape`; a train step
+  `row_owners` traces `init` three times (in one `jax.eval_shape`); a step
   that is not jitted would pay that on every call. The answer depends only
   on the structures, shapes and dtypes involved, so it is kept per such
   signature.
