@@ -116,7 +116,7 @@ def epsilon_hat_adam(
     nu_dtype: Optional[Any] = None,
     amsgrad: bool = False,
     impl: str = 'auto',
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """TensorFlow's Adam rule with epsilon hat (`AdamOptimizer`), not lazy.
 
   The building block that `scale_by_lazy_adam` wraps with `lazy`: applied to
@@ -137,8 +137,8 @@ def epsilon_hat_adam(
       `'generic'`, `'xla'` or `'cpu_kernel'` (see `lazy_optax.kernel_status`).
 
   Returns:
-    An `optax.GradientTransformation` whose updates still need the learning
-    rate (and its sign) applied.
+    An `optax.GradientTransformationExtraArgs` whose updates still need the
+    learning rate (and its sign) applied.
 
   Example:
     >>> import jax.numpy as jnp
@@ -161,7 +161,7 @@ def epsilon_hat_adam(
                                      zeros(params, dtype=nu_dtype))
     return ScaleByLazyAdamState(count, mu, nu)
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     del params
     count = optax.safe_increment(state.count)
     tables = {'mu': state.mu, 'nu': state.nu}
@@ -169,12 +169,13 @@ def epsilon_hat_adam(
       tables['nu_max'] = state.nu_max
     new_updates, new = fused.apply_rule(
         rule, updates, tables, None,
-        dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count), impl)
+        dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count), impl,
+        context=fused.context_of(extra_args))
     if amsgrad:
       return new_updates, ScaleByLazyAMSGradState(count, **new)
     return new_updates, ScaleByLazyAdamState(count, **new)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def scale_by_lazy_adam(

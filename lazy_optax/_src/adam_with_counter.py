@@ -211,7 +211,7 @@ def _adam_with_counter_rule(
     decay_skipped_steps: bool = False,
     impl: str = 'auto',
     fn: str = 'scale_by_adam_with_counter',
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """The per-row rule, dense or fused inside `lazy(...)`."""
   _check_args(fn, b1, b2, eps, eps_root, weight_decay, bias_correction)
   fused.check_impl(impl, fn)
@@ -232,7 +232,7 @@ def _adam_with_counter_rule(
         row_count=jax.tree.map(row_counters, params),
         last_step=jax.tree.map(row_counters, params))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     count = optax.safe_increment(state.count)
     lr = None
     if learning_rate is not None:
@@ -254,10 +254,11 @@ def _adam_with_counter_rule(
                         'row_count': state.row_count,
                         'last_step': state.last_step},
         params if decays_on else None, dict(count=count, lr=lr, decay=False),
-        impl, leaf_hyper=leaf_hyper)
+        impl, leaf_hyper=leaf_hyper,
+        context=fused.context_of(extra_args))
     return new_updates, ScaleByAdamWithCounterState(count, **new)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def scale_by_adam_with_counter(

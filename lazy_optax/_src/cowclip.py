@@ -133,10 +133,12 @@ def _first_entry(values: jax.Array) -> jax.Array:
   return values[(slice(None),) + (0,) * (values.ndim - 1)]
 
 
-def _row_counts(counts: SparseRows, g: Any, p: Any, name: str) -> jax.Array:
+def _row_counts(counts: SparseRows, g: Any, p: Any, name: str,
+                context: Optional[fused.RowContext]) -> jax.Array:
   """`counts` as one number per row of `g` (lazy's row block or dense)."""
   where = f'parameter {name}'
-  block = fused.block_of(p)
+  found = context.find(p) if context is not None else None
+  block = found[1] if found is not None else None
   num_rows = block.table.shape[0] if block is not None else jnp.shape(g)[0]
   if counts.num_rows != num_rows:
     raise ValueError(f'cowclip: counts for {where} say num_rows='
@@ -154,7 +156,8 @@ def _row_counts(counts: SparseRows, g: Any, p: Any, name: str) -> jax.Array:
 
 
 def _clip_leaf(rule: fused.RowRule, g: Any, p: Any, c: Any, name: str,
-               hyper: dict[str, Any], impl: str) -> Any:
+               hyper: dict[str, Any], impl: str,
+               context: Optional[fused.RowContext]) -> Any:
   if c is None:
     return g
   if not isinstance(c, SparseRows):
@@ -164,10 +167,11 @@ def _clip_leaf(rule: fused.RowRule, g: Any, p: Any, c: Any, name: str,
   if isinstance(g, SparseRows):
     raise ValueError(f'cowclip: the gradient of parameter {name} is a '
                      'SparseRows: use cowclip inside lazy(...).')
-  count = _row_counts(c, g, p, name)
+  count = _row_counts(c, g, p, name, context)
   per_occurrence = g / broadcast_rows(jnp.maximum(count, 1), g).astype(
       g.dtype)
-  u = fused.apply_stateless(rule, per_occurrence, p, hyper, impl)
+  u = fused.apply_stateless(rule, per_occurrence, p, hyper, impl,
+                            context=context)
   return u * broadcast_rows(count, u).astype(u.dtype)
 
 
@@ -225,7 +229,7 @@ def cowclip(
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None, *, counts=None, **extra_args):
-    del extra_args
+    context = fused.context_of(extra_args)
     if params is None:
       raise ValueError('cowclip needs params (it reads the row norms): '
                        'call update(grads, state, params, counts=...).')
@@ -243,7 +247,8 @@ def cowclip(
     except (ValueError, TypeError) as e:
       raise ValueError('cowclip: params and counts must have the structure '
                        f'of the gradients ({e}).') from e
-    out = [_clip_leaf(rule, g, p, c, jax.tree_util.keystr(path), hyper, impl)
+    out = [_clip_leaf(rule, g, p, c, jax.tree_util.keystr(path), hyper, impl,
+                      context)
            for (path, g), p, c in zip(flat, p_leaves, c_leaves)]
     return treedef.unflatten(out), state
 

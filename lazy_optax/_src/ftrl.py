@@ -133,7 +133,7 @@ def _ftrl_rule(
     accumulator_dtype: Optional[Any],
     linear_dtype: Optional[Any],
     impl: str,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """FTRL-Proximal, dense or fused inside `lazy(...)`."""
   rule = _rule()
 
@@ -144,7 +144,7 @@ def _ftrl_rule(
             params, initial_accumulator_value, dtype=accumulator_dtype),
         linear=optax.tree_utils.tree_zeros_like(params, dtype=linear_dtype))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(
           'ftrl computes the new weights from its accumulators (its update '
@@ -156,10 +156,11 @@ def _ftrl_rule(
         rule, updates, {'accumulator': state.accumulator,
                         'linear': state.linear}, params,
         dict(lr=lr, power=-learning_rate_power, l1=l1, l2=l2,
-             l2_shrinkage=l2_shrinkage, beta=beta), impl)
+             l2_shrinkage=l2_shrinkage, beta=beta), impl,
+        context=fused.context_of(extra_args))
     return new_updates, FtrlState(optax.safe_increment(state.count), **new)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def ftrl(

@@ -6,11 +6,16 @@ table, gathers their touched rows, runs `tx` on those row blocks and writes
 the new rows back. That generic path works for any optax transformation.
 
 A rule written as a `RowRule` (lazy_optax's own optimizers are) can do the
-row update better, and `lazy(...)` lets it: while `tx.update` runs, `lazy`
-keeps a `RowContext` that maps each gathered row block to a `Block`: its
-full table, the distinct ids and the table's `backend.Backend`, which
-`lazy` decided once for the table (`lazy.py`). The rule's `update`
-(`apply_rule`) looks its state leaves up there and runs the backend's
+row update better, and `lazy(...)` lets it: `lazy` builds a `RowContext`
+that maps each gathered row block to a `Block` (its full table, the
+distinct ids and the table's `backend.Backend`, which `lazy` decided once
+for the table, `lazy.py`) and hands it to `tx.update` as one of optax's
+extra arguments, `ROWS_KEY` (`update(grads, state, params,
+lazy_optax_rows=context)`). `chain`, `partition`, `masked`,
+`inject_hyperparams`, `apply_if_finite` and `MultiSteps` forward it; a
+rule is a `GradientTransformationExtraArgs` whose `update` hands
+`context_of(extra_args)` to `apply_rule`, which looks its state leaves up
+in that context (and nowhere else) and runs the backend's
 implementation:
 
 - `'generic'`: the rule's arithmetic on the row blocks; `lazy` writes them
@@ -32,17 +37,18 @@ a wrapper rebuilds the state, as `optax.apply_if_finite`'s `lax.cond`
 does: that rule then gets `'generic'`, so that no kernel writes a copy of
 the table inside the branch). The rule hands the new tables back to `lazy`
 through the context, so no code reads a chain's state by position. Where
-the row blocks do not arrive as `lazy` gathered them, the rule computes on
-whatever it is given and `lazy` writes the rows back: correct, generic.
-`explain_update` reports each table's decision, as the compiled step runs
-it.
+the row blocks do not arrive as `lazy` gathered them, or the context does
+not arrive (a plain `optax.GradientTransformation` around the rule drops
+extra arguments), the rule computes on whatever it is given and `lazy`
+writes the rows back: correct, generic. `explain_update` reports each
+table's decision, as the compiled step runs it: it passes a `RowContext`
+holding a log under the same keyword, and every `lazy` inside records its
+choices there.
 """
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +64,10 @@ from lazy_optax._src.placement import placement
 from lazy_optax._src.sparse_rows import FusedAdd
 
 IMPLS = validate.IMPLS
+
+# The keyword under which `lazy(...)` hands its `RowContext` to `tx.update`
+# (optax's extra arguments), and `explain_update` its log to `lazy`.
+ROWS_KEY = 'lazy_optax_rows'
 
 
 class RowRule(NamedTuple):
@@ -140,9 +150,10 @@ def stateless_rule(name: str, step: Callable[..., jax.Array], kernel: str,
 
 
 def apply_stateless(rule: RowRule, updates: Any, params: Any, hyper: Any,
-                    impl: str) -> Any:
+                    impl: str, *, context: Optional[RowContext]) -> Any:
   """`apply_rule` for a `stateless_rule`: the new updates alone."""
-  out, _ = apply_rule(rule, updates, {}, params, hyper, impl)
+  out, _ = apply_rule(rule, updates, {}, params, hyper, impl,
+                      context=context)
   return out
 
 
@@ -173,9 +184,19 @@ class Choice(NamedTuple):
 
 
 class RowContext:
-  """What `lazy` tells the rules inside one `update` about its row blocks."""
+  """What `lazy` tells the rules inside one `update` about its row blocks.
 
-  def __init__(self) -> None:
+  `lazy` hands it to `tx.update` under `ROWS_KEY`. A `lazy` nested in
+  another (its update runs on the outer one's row blocks) makes its own
+  with the outer one as `outer`, so its rules find the outer blocks too.
+  `log`, shared by the nested contexts, collects the choices of every
+  `lazy` inside `explain_update` (which makes the outermost context).
+  """
+
+  def __init__(self, outer: Optional[RowContext] = None,
+               log: Optional[list[Choice]] = None) -> None:
+    self.outer = outer
+    self.log: Optional[list[Choice]] = log if outer is None else outer.log
     self._blocks: dict[int, tuple[Any, Block]] = {}
     self._written: dict[int, tuple[Any, jax.Array, str]] = {}
     self._taken: set[int] = set()  # written tables `lazy` took back
@@ -190,6 +211,28 @@ class RowContext:
   def block(self, rows: Any) -> Optional[Block]:
     entry = self._blocks.get(id(rows))
     return entry[1] if entry is not None and entry[0] is rows else None
+
+  def find(self, rows: Any) -> Optional[tuple[RowContext, Block]]:
+    """The context (this one or an outer one) that gathered `rows`, and its
+    `Block`; None where no `lazy` did."""
+    context: Optional[RowContext] = self
+    while context is not None:
+      block = context.block(rows)
+      if block is not None:
+        return context, block
+      context = context.outer
+    return None
+
+  def record(self, choice: Choice) -> None:
+    """Logs `choice` for `explain_update` (published by `lazy` once its
+    update is traced, so that its probe is never reported)."""
+    self.chosen.add(choice.parameter)
+    self.choices.append(choice)
+
+  def publish(self) -> None:
+    """Hands the recorded choices to `explain_update`'s log, if any."""
+    if self.log is not None:
+      self.log.extend(self.choices)
 
   def wrote(self, rows: Any, table: jax.Array, name: str = '') -> None:
     """The rule wrote `table` whole; `rows` is its row block, read back."""
@@ -222,58 +265,26 @@ class RowContext:
     return entry[1] if entry is not None and entry[0] is rows else None
 
 
-class _Stacks(threading.local):
-  def __init__(self) -> None:
-    self.contexts: list[RowContext] = []
-    self.logs: list[list[Choice]] = []
+def context_of(extra_args: Mapping[str, Any]) -> Optional[RowContext]:
+  """The `RowContext` that `lazy(...)` passed in a rule's extra arguments.
 
+  Args:
+    extra_args: the `**extra_args` of the rule's `update`.
 
-_stacks = _Stacks()
+  Returns:
+    The context under `ROWS_KEY`, or None (outside `lazy`, or a wrapper
+    between `lazy` and the rule dropped the extra arguments).
 
-
-@contextlib.contextmanager
-def active(context: RowContext) -> Iterator[RowContext]:
-  """Makes `context` visible to the rules that run inside the block."""
-  _stacks.contexts.append(context)
-  try:
-    yield context
-  finally:
-    _stacks.contexts.pop()
-
-
-@contextlib.contextmanager
-def recording() -> Iterator[list[Choice]]:
-  """Collects the `Choice` of every leaf a rule updates inside the block."""
-  log: list[Choice] = []
-  _stacks.logs.append(log)
-  try:
-    yield log
-  finally:
-    _stacks.logs.pop()
-
-
-def _find(rows: Any) -> Optional[tuple[RowContext, Block]]:
-  for context in reversed(_stacks.contexts):
-    block = context.block(rows)
-    if block is not None:
-      return context, block
-  return None
-
-
-def record(choice: Choice, context: Optional[RowContext] = None) -> None:
-  """Logs `choice` for `explain_update` (kept in `context` when given, which
-  `lazy` publishes once its update is traced)."""
-  if context is not None:
-    context.chosen.add(choice.parameter)
-    context.choices.append(choice)
-    return
-  publish([choice])
-
-
-def publish(choices: list[Choice]) -> None:
-  """Hands `choices` to every `recording()` block around the call."""
-  for log in _stacks.logs:
-    log.extend(choices)
+  Example:
+    >>> from lazy_optax._src import fused
+    >>> context = fused.RowContext()
+    >>> fused.context_of({fused.ROWS_KEY: context}) is context
+    True
+    >>> fused.context_of({'counts': None}) is None
+    True
+  """
+  context = extra_args.get(ROWS_KEY)
+  return context if isinstance(context, RowContext) else None
 
 
 def _rule_refusal(rule: RowRule, g: Any, blocks: dict[str, Block]) -> str:
@@ -388,22 +399,25 @@ def _per_shard(kernel: Callable[..., Any], where: Placement,
       out_specs=((table_spec,) * num_tables, P()))
 
 
-def _lazy_blocks(rule: RowRule, rows: dict[str, Any], params: Any
+def _lazy_blocks(rule: RowRule, rows: dict[str, Any], params: Any,
+                 context: Optional[RowContext]
                  ) -> Optional[tuple[RowContext, dict[str, Block]]]:
   """The context and blocks of `rows` if all are `lazy`'s, of one table.
 
   A rule without state (a clip) is located by its parameter rows.
   """
-  param_block = (_find(params) if rule.needs_params and params is not None
-                 else None)
+  if context is None:
+    return None
+  param_block = (context.find(params)
+                 if rule.needs_params and params is not None else None)
   if not rows:
     if param_block is None:
       return None
     return param_block[0], {'params': param_block[1]}
-  found = [_find(v) for v in rows.values()]
+  found = [context.find(v) for v in rows.values()]
   if any(f is None for f in found):
     return None
-  context = found[0][0]  # type: ignore[index]
+  owner = found[0][0]  # type: ignore[index]
   blocks = {k: f[1] for k, f in zip(rows, found)}  # type: ignore[index]
   ids = next(iter(blocks.values())).ids
   if any(b.ids is not ids for b in blocks.values()):
@@ -411,13 +425,7 @@ def _lazy_blocks(rule: RowRule, rows: dict[str, Any], params: Any
   if rule.needs_params and (param_block is None
                             or param_block[1].ids is not ids):
     return None
-  return context, blocks
-
-
-def block_of(rows: Any) -> Optional[Block]:
-  """The `Block` a row block came from, if `lazy` gathered it (else None)."""
-  found = _find(rows)
-  return None if found is None else found[1]
+  return owner, blocks
 
 
 def _decided(rule: RowRule, g: Any, impl: str, context: RowContext,
@@ -437,13 +445,14 @@ def _decided(rule: RowRule, g: Any, impl: str, context: RowContext,
   if rule.fused_add is not None and backend.kind == 'cpu_kernel':
     reason += ('; apply_updates given these very parameters runs it inside '
                'its scatter-add, reading each row once')
-  record(Choice(block.name, rule.name, backend.kind, reason), context)
+  context.record(Choice(block.name, rule.name, backend.kind, reason))
   return backend
 
 
 def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
-              hyper: Any, impl: str) -> tuple[Any, dict[str, Any]]:
-  found = _lazy_blocks(rule, rows, params)
+              hyper: Any, impl: str, context: Optional[RowContext]
+              ) -> tuple[Any, dict[str, Any]]:
+  found = _lazy_blocks(rule, rows, params, context)
   if found is None:
     return _dense(rule, g, rows, params, hyper)
   context, blocks = found
@@ -510,9 +519,15 @@ def _fused_add(rule: RowRule, g: Any, hyper: Any, block: Block) -> FusedAdd:
 
 def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],
                params: Any, hyper: Any, impl: str, *,
+               context: Optional[RowContext],
                leaf_hyper: Optional[Callable[[int, Any], Any]] = None
                ) -> tuple[Any, dict[str, Any]]:
   """Runs `rule` on every leaf of `updates`: fused where `lazy` allows.
+
+  A leaf is fused where its state leaves (or, for a rule without state, its
+  parameter rows) are row blocks that `context` (or an outer `lazy`'s
+  context it holds) gathered; any other leaf gets the rule's arithmetic on
+  what it was given.
 
   Args:
     rule: the `RowRule`.
@@ -525,6 +540,8 @@ def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],
     hyper: the rule's hyperparameters, passed to `new_rows`, `step` and
       `kernel_hyper` as given.
     impl: one of `IMPLS`.
+    context: the `RowContext` that `lazy` passed in the rule's extra
+      arguments (`context_of(extra_args)`), or None.
     leaf_hyper: `(leaf index, hyper) -> hyper` for rules whose
       hyperparameters differ per leaf (a weight-decay mask).
 
@@ -541,7 +558,8 @@ def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],
   for i, g in enumerate(grads):
     rows = {k: leaves[k][i] for k in tables}
     h = hyper if leaf_hyper is None else leaf_hyper(i, hyper)
-    u, stored = _one_leaf(rule, g, rows, param_leaves[i], h, impl)
+    u, stored = _one_leaf(rule, g, rows, param_leaves[i], h, impl,
+                          context)
     out.append(u)
     for k in tables:
       new[k].append(stored[k])

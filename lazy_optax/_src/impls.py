@@ -5,9 +5,11 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Optional
 
 import jax
+import optax
 
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import fused
+from lazy_optax._src.sparse_rows import is_sparse_rows
 
 
 class ImplStatus(NamedTuple):
@@ -72,7 +74,9 @@ def explain_update(
   parameter with a `SparseRows` gradient, as the same call inside your
   `jax.jit` step would make it. The CPU kernel's choice holds for a step
   compiled for CPU; the same step compiled for another platform takes
-  `'xla'`.
+  `'xla'`. The choices come back from every `lazy(...)` inside `tx` through
+  optax's extra arguments (the keyword `lazy_optax_rows`), so the wrappers
+  between `tx` and `lazy` must forward them, as optax's do.
 
   Args:
     tx: the optimizer (any composition containing `lazy(...)`).
@@ -87,6 +91,11 @@ def explain_update(
     A dict from parameter path (`'emb/table'`) to a `Choice(parameter, rule,
     impl, reason)`; where a chain holds several rules, the last one's.
 
+  Raises:
+    ValueError: `grads` holds a `SparseRows` but no `lazy(...)` reported a
+      choice (none is inside `tx`, or a wrapper dropped the extra
+      arguments: a plain `optax.GradientTransformation` does).
+
   Example:
     >>> import jax.numpy as jnp
     >>> import lazy_optax
@@ -98,7 +107,20 @@ def explain_update(
     >>> choice['table'].impl, choice['table'].rule
     ('xla', 'adam')
   """
-  with fused.recording() as log:
-    jax.eval_shape(lambda g, s, p, e: tx.update(g, s, p, **e), grads,
-                   opt_state, params, extra_args)
+  log: list[fused.Choice] = []
+  rows = {fused.ROWS_KEY: fused.RowContext(log=log)}
+  if (isinstance(tx, optax.GradientTransformation)
+      and not isinstance(tx, optax.GradientTransformationExtraArgs)):
+    rows = {}  # its update takes no extra arguments: none reach a lazy
+  jax.eval_shape(lambda g, s, p, e: tx.update(g, s, p, **e, **rows), grads,
+                 opt_state, params, extra_args)
+  if not log and any(is_sparse_rows(x) for x in jax.tree.leaves(
+      grads, is_leaf=is_sparse_rows)):
+    raise ValueError(
+        f'explain_update: no lazy(...) inside {type(tx).__name__} reported '
+        f'its choices. They come back through optax\'s extra argument '
+        f'{fused.ROWS_KEY}=, which a wrapper around lazy(...) must forward '
+        '(optax.GradientTransformationExtraArgs with **extra_args, as '
+        'optax.chain, partition and apply_if_finite are); a plain '
+        'optax.GradientTransformation drops it.')
   return {choice.parameter: choice for choice in log}

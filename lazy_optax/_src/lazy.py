@@ -152,6 +152,13 @@ def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
   return leaves.treedef.unflatten(out)
 
 
+_NO_RULE = ('no lazy_optax rule found these rows in the row context that '
+            f'lazy(...) passes as the extra argument {fused.ROWS_KEY}= (tx '
+            'holds no lazy_optax rule, a wrapper around the rule dropped '
+            "optax's extra arguments, as a plain optax.GradientTransformation "
+            'does, or handed it copies of the rows, as a lax.cond does): '
+            'lazy(...) ran tx on the gathered rows')
+
 _LOST = ('its update ran where lazy(...) cannot take the tables it writes '
          '(a wrapper rebuilt its state, as optax.apply_if_finite\'s lax.cond '
          'does): the rule computes on the row blocks and lazy(...) writes '
@@ -258,7 +265,9 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
       rebuild_params=leaves.treedef.unflatten,
       row_param_positions=list(rows), state=state)
   state_leaves, state_def = jax.tree.flatten(state)
-  context = fused.RowContext()
+  # Nested in another `lazy` (or in `explain_update`): the outer context
+  # stays reachable through this one.
+  context = fused.RowContext(fused.context_of(extra_args))
 
   def at_rows(leaf, pos):
     if pos is None:
@@ -278,10 +287,9 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
     row_params = leaves.treedef.unflatten(
         [at_rows(p, i if i in rows else None)
          for i, p in enumerate(leaves.params)])
-  with fused.active(context):
-    new_updates, new_row_state = inner.update(
-        leaves.treedef.unflatten(row_grads), row_state_tree, row_params,
-        **extra_args)
+  new_updates, new_row_state = inner.update(
+      leaves.treedef.unflatten(row_grads), row_state_tree, row_params,
+      **{**extra_args, fused.ROWS_KEY: context})
 
   def write_back(old, new, pos):
     if pos is None:
@@ -298,11 +306,10 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
   for pos, row in rows.items():
     if row.ids is not None and leaves.names[pos] not in context.chosen:
       move = moves[pos] if moves is not None else None
-      fused.record(fused.Choice(
+      context.record(fused.Choice(
           leaves.names[pos], 'tx', 'generic',
-          ('not a lazy_optax rule: lazy(...) ran it on the gathered rows'
-           if pos in owners else 'no state rows: only the update rows')
-          + _moves_note(move)), context)
+          (_NO_RULE if pos in owners else 'no state rows: only the update rows')
+          + _moves_note(move)))
   return (_row_updates(leaves, rows, new_updates, moves, context),
           new_state, context)
 
@@ -408,7 +415,7 @@ def lazy(
     plan = _decide(leaves, state, impl, requests, lost, find_owners)
     new_updates, new_state, context = run(leaves, state, params, extra_args,
                                           plan)
-    fused.publish(context.choices)
+    context.publish()
     return new_updates, new_state
 
   return optax.GradientTransformationExtraArgs(init=init_fn,

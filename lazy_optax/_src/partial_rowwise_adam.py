@@ -111,7 +111,7 @@ def _partial_rowwise_adam_rule(
     mu_dtype: Optional[Any],
     nu_dtype: Optional[Any],
     impl: str,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """The rule, dense or fused inside `lazy(...)`."""
   rule = _rule()
 
@@ -121,15 +121,16 @@ def _partial_rowwise_adam_rule(
         mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
         nu=jax.tree.map(lambda p: per_row_full(p, nu_dtype), params))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     del params
     count = optax.safe_increment(state.count)
     new_updates, new = fused.apply_rule(
         rule, updates, {'mu': state.mu, 'nu': state.nu}, None,
-        dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count), impl)
+        dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count), impl,
+        context=fused.context_of(extra_args))
     return new_updates, ScaleByPartialRowwiseAdamState(count, **new)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def scale_by_partial_rowwise_adam(

@@ -64,7 +64,7 @@ def row_max_norm(
     max_norm: float,
     *,
     impl: str = 'auto',
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """Keeps every row that an update writes within L2 norm `max_norm`.
 
   Place it last in the chain, after the learning rate, inside `lazy(...)`:
@@ -79,8 +79,8 @@ def row_max_norm(
     impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'`.
 
   Returns:
-    An `optax.GradientTransformation` whose `update` needs `params`. State:
-    `optax.EmptyState()`.
+    An `optax.GradientTransformationExtraArgs` whose `update` needs `params`.
+    State: `optax.EmptyState()`.
 
   Example:
     >>> import jax.numpy as jnp, optax, lazy_optax
@@ -101,11 +101,12 @@ def row_max_norm(
     del params
     return optax.EmptyState()
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError('row_max_norm needs params (the rows it bounds): call '
                        'update(grads, state, params).')
     return fused.apply_stateless(rule, updates, params,
-                                 dict(max_norm=max_norm), impl), state
+                                 dict(max_norm=max_norm), impl,
+                                 context=fused.context_of(extra_args)), state
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -108,7 +108,7 @@ def _rowwise_adagrad_rule(
     l2_weight_decay: Any,
     mask: Optional[Union[Any, Callable[[Any], Any]]],
     impl: str,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """The row-wise Adagrad rule, dense or fused inside `lazy(...)`.
 
   `l2_weight_decay` (or None) is FBGEMM's L2 mode: added to the gradient.
@@ -123,7 +123,7 @@ def _rowwise_adagrad_rule(
             lambda p: per_row_full(p, accumulator_dtype,
                                    initial_accumulator_value), params))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     count = optax.safe_increment(state.count)
     decays = None
     if l2:
@@ -140,10 +140,11 @@ def _rowwise_adagrad_rule(
     new_updates, new = fused.apply_rule(
         rule, updates, {'sum_of_squares': state.sum_of_squares},
         params if l2 else None, dict(eps=eps, l2=l2_weight_decay), impl,
-        leaf_hyper=leaf_hyper)
+        leaf_hyper=leaf_hyper,
+        context=fused.context_of(extra_args))
     return new_updates, ScaleByRowwiseAdagradState(count, **new)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def scale_by_rowwise_adagrad(

@@ -285,7 +285,7 @@ def _peak(row_counters: Any, peak: jax.Array) -> jax.Array:
 def _transform(learning_rate: optax.ScalarOrSchedule, cfg: _Config,
                weight_decay: Any, mask: Any, accumulator_dtype: Any,
                max_counter_update_freq: int, impl: str
-               ) -> optax.GradientTransformation:
+               ) -> optax.GradientTransformationExtraArgs:
   """The whole rule (its learning rate included), dense or fused."""
   rule = _rule(cfg)
 
@@ -300,7 +300,7 @@ def _transform(learning_rate: optax.ScalarOrSchedule, cfg: _Config,
         max_counter=jnp.ones([], jnp.float32),
         counter_peak=jnp.ones([], jnp.float32))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     count = optax.safe_increment(state.count)
     lr = (learning_rate(state.count) if callable(learning_rate)
           else learning_rate)
@@ -323,12 +323,13 @@ def _transform(learning_rate: optax.ScalarOrSchedule, cfg: _Config,
                         'row_counter': state.row_counter,
                         'last_step': state.last_step},
         params if rule.needs_params else None, hyper, impl,
-        leaf_hyper=leaf_hyper)
+        leaf_hyper=leaf_hyper,
+        context=fused.context_of(extra_args))
     return new_updates, RowwiseAdagradWithCounterState(
         count, max_counter=max_counter,
         counter_peak=_peak(new['row_counter'], state.counter_peak), **new)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def rowwise_adagrad_with_counter(

@@ -117,7 +117,7 @@ def _rowwise_rmsprop_ar_rule(
     eps: float,
     accumulator_dtype: Optional[Any],
     impl: str,
-) -> optax.GradientTransformation:
+) -> optax.GradientTransformationExtraArgs:
   """The rule, dense or fused inside `lazy(...)`."""
   rule = _rule()
 
@@ -127,7 +127,7 @@ def _rowwise_rmsprop_ar_rule(
         nu=jax.tree.map(lambda p: per_row_full(p, accumulator_dtype), params),
         prev_iter=jax.tree.map(lambda p: per_row_full(p, jnp.int32), params))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(
           'rowwise_rmsprop_ar shrinks the weights it updates (its update is '
@@ -141,10 +141,11 @@ def _rowwise_rmsprop_ar_rule(
                  eps=eps, step=count)
     new_updates, new = fused.apply_rule(
         rule, updates, {'nu': state.nu, 'prev_iter': state.prev_iter}, params,
-        hyper, impl)
+        hyper, impl,
+        context=fused.context_of(extra_args))
     return new_updates, RowwiseRmspropArState(count, **new)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def rowwise_rmsprop_ar(
