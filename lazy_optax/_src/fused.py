@@ -12,8 +12,8 @@ distinct ids and the table's `backend.Backend`, which `lazy` decided once
 for the table, `lazy.py`) and hands it to `tx.update` as one of optax's
 extra arguments, `ROWS_KEY` (`update(grads, state, params,
 lazy_optax_rows=context)`). `chain`, `partition`, `masked`,
-`inject_hyperparams`, `apply_if_finite` and `MultiSteps` forward it; a
-rule is a `GradientTransformationExtraArgs` whose `update` hands
+`inject_hyperparams`, `apply_if_finite` and `conditionally_mask` forward
+it; a rule is a `GradientTransformationExtraArgs` whose `update` hands
 `context_of(extra_args)` to `apply_rule`, which looks its state leaves up
 in that context (and nowhere else) and runs the backend's
 implementation:
