@@ -342,6 +342,15 @@ def lazy(
   The state is `tx`'s own state, so `lazy(optax.adam(...))` and
   `optax.adam(...)` states are interchangeable.
 
+  `tx.update` gets the caller's extra arguments and one more,
+  `lazy_optax_rows=`: the row blocks' context, through which lazy_optax's
+  rules inside `tx` find their tables and run the update `lazy` decided
+  for them. optax's wrappers forward it; a wrapper that drops extra
+  arguments (a plain `optax.GradientTransformation` around a rule) leaves
+  that rule its arithmetic on the gathered rows (`explain_update` says
+  so). A transformation of yours that takes `**extra_args` receives it
+  too, and should ignore it.
+
   Transformations that look across rows (global-norm clipping, for example)
   see the touched rows only; the unused padding slots hold zero gradients, so
   a global norm equals that of the summed dense gradient.
