@@ -40,6 +40,7 @@ UNIT = 2.0 ** -60
 _PART_BITS = 16
 _CHECKS = 2
 _TOLERANCE = 0.25   # how far from a whole number a scaled part may drift
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 def index_dtype(num_rows: int) -> Any:
@@ -62,51 +63,94 @@ def code_width(id_dtype: Any) -> int:
   return 1 + num_parts(id_dtype) + _CHECKS
 
 
-def _unsigned(ids: jax.Array) -> jax.Array:
-  wide = jnp.dtype(ids.dtype).itemsize == 8
-  return jax.lax.bitcast_convert_type(ids, jnp.uint64 if wide else jnp.uint32)
+def _bitcast(x: Any, dtype: Any, xp: Any) -> Any:
+  if xp is np:
+    return x.view(dtype)
+  return jax.lax.bitcast_convert_type(x, dtype)
 
 
-def _mix32(x: jax.Array) -> jax.Array:
+def _unsigned(ids: Any, xp: Any) -> Any:
+  wide = np.dtype(ids.dtype).itemsize == 8
+  return _bitcast(ids, xp.uint64 if wide else xp.uint32, xp)
+
+
+def _mix32(x: Any, xp: Any) -> Any:
   """A 32-bit avalanche mix (the murmur3 finalizer) of a uint32 array."""
   x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x85EBCA6B)
+  x = x * xp.uint32(0x85EBCA6B)
   x = x ^ (x >> 13)
-  x = x * jnp.uint32(0xC2B2AE35)
+  x = x * xp.uint32(0xC2B2AE35)
   return x ^ (x >> 16)
 
 
-def _checks(parts: list[jax.Array]) -> list[jax.Array]:
+def _checks(parts: list[Any], xp: Any) -> list[Any]:
   """Two 16-bit check values in [1, 65535] from the id's parts (uint32)."""
-  h = jnp.uint32(0x9E3779B9)
+  h = xp.uint32(0x9E3779B9)
   for p in parts:
-    h = _mix32(h ^ p)
+    h = _mix32(h ^ p, xp)
   low, high = h & 0xFFFF, h >> 16
-  return [jnp.maximum(low, 1), jnp.maximum(high, 1)]
+  return [xp.maximum(low, 1), xp.maximum(high, 1)]
 
 
-def _split(ids: jax.Array) -> list[jax.Array]:
+def _split(ids: Any, xp: Any) -> list[Any]:
   """The id's 16-bit parts, most significant first, as uint32."""
-  u = _unsigned(ids)
+  u = _unsigned(ids, xp)
   n = num_parts(ids.dtype)
   mask = (1 << _PART_BITS) - 1
-  return [((u >> (_PART_BITS * (n - 1 - k))) & mask).astype(jnp.uint32)
+  return [((u >> (_PART_BITS * (n - 1 - k))) & mask).astype(xp.uint32)
           for k in range(n)]
+
+
+def _on_host(x: Any) -> Any:
+  """`x` as a NumPy array where reading it runs no XLA program, else None.
+
+  A tracer is never read; neither is an array split over devices (its code
+  stays split alike, as XLA computes it).
+  """
+  if isinstance(x, np.ndarray):
+    return x
+  if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+      and x.is_fully_addressable and x.sharding.is_fully_replicated):
+    return np.asarray(x)
+  return None
+
+
+def _placed(host: np.ndarray, like: Any) -> jax.Array:
+  """`host` where `like` is (committed to its devices only if `like` is)."""
+  if isinstance(like, jax.Array) and like.committed:
+    return jax.device_put(host, like.sharding)
+  return jax.device_put(host)  # (jnp.asarray would compile a copy)
+
+
+def _encode(ids: Any, xp: Any) -> Any:
+  parts = _split(ids, xp)
+  columns = [xp.ones(ids.shape, xp.uint32)] + parts + _checks(parts, xp)
+  whole = xp.stack(columns, axis=-1).astype(xp.float32)
+  return whole * xp.asarray(UNIT, xp.float32)
 
 
 def encode(ids: jax.Array) -> jax.Array:
   """The id code of integer ids.
+
+  Concrete ids are encoded with NumPy (no XLA program to compile or run),
+  traced ones with `jax.numpy`: the same bits.
 
   Args:
     ids: integer array of shape `[N]` (int32, or int64 under x64).
 
   Returns:
     A float32 array of shape `[N, code_width(ids.dtype)]`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> code = encode(jnp.array([7, 0], jnp.int32))
+    >>> code.shape, decode(code, jnp.int32).ids
+    ((2, 5), Array([7, 0], dtype=int32))
   """
-  parts = _split(ids)
-  columns = [jnp.ones(ids.shape, jnp.uint32)] + parts + _checks(parts)
-  whole = jnp.stack(columns, axis=-1).astype(CODE_DTYPE)
-  return whole * jnp.asarray(UNIT, CODE_DTYPE)
+  host = _on_host(ids)
+  if host is None:
+    return _encode(ids, jnp)
+  return _placed(_encode(host, np), ids)
 
 
 class Decoded(NamedTuple):
@@ -122,8 +166,37 @@ class Decoded(NamedTuple):
   empty: jax.Array
 
 
+def _decode(code: Any, id_dtype: Any, xp: Any) -> Decoded:
+  code = code.astype(xp.float32)
+  # Subnormal entries read as zero on every backend (XLA's CPU flushes them).
+  code = xp.where(xp.abs(code) < _TINY, xp.zeros_like(code), code)
+  unit = code[:, 0]
+  empty = xp.all(code == 0, axis=1)
+  safe_unit = xp.where(unit == 0, xp.ones_like(unit), unit)
+  ratios = code[:, 1:] / safe_unit[:, None]
+  whole = xp.round(ratios)
+  n = num_parts(id_dtype)
+  close = xp.all(xp.abs(ratios - whole) <= _TOLERANCE, axis=1)
+  fits = xp.all((whole >= 0) & (whole < (1 << _PART_BITS)), axis=1)
+  # NaN read as 0 and clipped, so that the casts to uint32 are defined.
+  whole = xp.where(xp.isnan(whole), xp.zeros_like(whole), whole)
+  parts32 = xp.clip(whole, 0, (1 << _PART_BITS) - 1).astype(xp.uint32)
+  parts = [parts32[:, k] for k in range(n)]
+  expected = xp.stack(_checks(parts, xp), axis=-1)
+  checks_match = xp.all(parts32[:, n:] == expected, axis=1)
+  intact = (unit != 0) & xp.isfinite(unit) & close & fits & checks_match
+  udtype = xp.uint64 if np.dtype(id_dtype).itemsize == 8 else xp.uint32
+  value = xp.zeros(code.shape[:1], udtype)
+  for p in parts:
+    value = (value << _PART_BITS) | p.astype(udtype)
+  return Decoded(_bitcast(value, np.dtype(id_dtype), xp), intact, empty)
+
+
 def decode(code: jax.Array, id_dtype: Any) -> Decoded:
   """Reads ids back from an id code and says which entries are intact.
+
+  A concrete code is read with NumPy, a traced one with `jax.numpy`: the
+  same bits.
 
   Args:
     code: float array `[N, code_width(id_dtype)]`, an id code possibly
@@ -132,30 +205,26 @@ def decode(code: jax.Array, id_dtype: Any) -> Decoded:
 
   Returns:
     A `Decoded` of three `[N]` arrays.
-  """
-  code = code.astype(CODE_DTYPE)
-  unit = code[:, 0]
-  empty = jnp.all(code == 0, axis=1)
-  safe_unit = jnp.where(unit == 0, jnp.ones_like(unit), unit)
-  ratios = code[:, 1:] / safe_unit[:, None]
-  whole = jnp.round(ratios)
-  n = num_parts(id_dtype)
-  close = jnp.all(jnp.abs(ratios - whole) <= _TOLERANCE, axis=1)
-  fits = jnp.all((whole >= 0) & (whole < (1 << _PART_BITS)), axis=1)
-  # Clipped so that the float -> uint32 casts below are defined everywhere.
-  parts32 = jnp.clip(whole, 0, (1 << _PART_BITS) - 1).astype(jnp.uint32)
-  parts = [parts32[:, k] for k in range(n)]
-  expected = jnp.stack(_checks(parts), axis=-1)
-  checks_match = jnp.all(parts32[:, n:] == expected, axis=1)
-  intact = (unit != 0) & jnp.isfinite(unit) & close & fits & checks_match
-  wide = jnp.dtype(id_dtype).itemsize == 8
-  udtype = jnp.uint64 if wide else jnp.uint32
-  value = jnp.zeros(code.shape[:1], udtype)
-  for p in parts:
-    value = (value << _PART_BITS) | p.astype(udtype)
-  ids = jax.lax.bitcast_convert_type(value, jnp.dtype(id_dtype))
-  return Decoded(ids, intact, empty)
 
+  Example:
+    >>> import jax.numpy as jnp
+    >>> d = decode(3.0 * encode(jnp.array([5], jnp.int32)), jnp.int32)
+    >>> d.ids, d.intact.tolist(), d.empty.tolist()
+    (Array([5], dtype=int32), [True], [False])
+  """
+  read = _decode_on_host(code, id_dtype)
+  if read is None:
+    return _decode(code, id_dtype, jnp)
+  return Decoded(*(_placed(x, code) for x in read))
+
+
+def _decode_on_host(code: Any, id_dtype: Any) -> Decoded | None:
+  """`decode` with NumPy, of a code readable on the host (else None)."""
+  host = _on_host(code)
+  if host is None:
+    return None
+  with np.errstate(all='ignore'):  # inf and NaN are damage, read as such
+    return _decode(host, id_dtype, np)
 
 
 # -- what the consumers of a code do with it ---------------------------------
@@ -181,6 +250,23 @@ def damaged(decoded: Decoded, values: jax.Array) -> jax.Array:
           | (decoded.empty & _rows_nonzero(values)))
 
 
+def _damaged_on_host(code: Any, values: Any, num_rows: int) -> Any:
+  """`(decoded, damaged)` in NumPy for concrete leaves, else None.
+
+  The values are read (on their device) only where an entry is empty.
+  """
+  read = _decode_on_host(code, index_dtype(num_rows))
+  if read is None or isinstance(values, jax.core.Tracer):
+    return None
+  hurt = ~(read.intact | read.empty)
+  if read.empty.any():
+    nonzero = _rows_nonzero(values)
+    if isinstance(nonzero, jax.core.Tracer):  # concrete leaves in a trace
+      return None
+    hurt = hurt | (read.empty & np.asarray(nonzero))
+  return read, hurt
+
+
 def check(code: Any, values: Any, num_rows: int, where: str) -> None:
   """Raises on damage to a code that is visible now.
 
@@ -199,9 +285,13 @@ def check(code: Any, values: Any, num_rows: int, where: str) -> None:
     return
   if values.shape[0] == 0:
     return
-  hurt = damaged(decode(code, index_dtype(num_rows)), values)
-  if isinstance(hurt, jax.core.Tracer):  # concrete leaves inside a trace
-    return
+  on_host = _damaged_on_host(code, values, num_rows)
+  if on_host is None:  # concrete leaves inside a trace, or split over devices
+    hurt = damaged(decode(code, index_dtype(num_rows)), values)
+    if isinstance(hurt, jax.core.Tracer):
+      return
+  else:
+    hurt = on_host[1]
   if np.any(hurt):
     raise ValueError(validate.damaged_ids_message(
         where, int(np.sum(hurt)), values.shape[0]))
@@ -227,6 +317,9 @@ def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
   Returns:
     An integer array `[N]`.
   """
+  on_host = _damaged_on_host(code, values, num_rows)
+  if on_host is not None:
+    return _placed(_kept(*on_host, num_rows, np), code)
   decoded = decode(code, index_dtype(num_rows))
   hurt = damaged(decoded, values)
   if report and isinstance(hurt, jax.core.Tracer) and values.shape[0]:
@@ -236,6 +329,11 @@ def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
     zero = damage.report_if_damaged(~jnp.any(reported), jnp.sum(reported),
                                     where, values.shape[0])
     hurt = hurt | (zero != 0)  # ties the step's outputs to the report
-  ids = decoded.ids
-  keep = decoded.intact & ~jnp.any(hurt) & (ids >= 0) & (ids < num_rows)
-  return jnp.where(keep, ids, jnp.asarray(num_rows, ids.dtype))
+  return _kept(decoded, hurt, num_rows, jnp)
+
+
+def _kept(read: Decoded, hurt: Any, num_rows: int, xp: Any) -> Any:
+  """The intact in-range ids, `num_rows` elsewhere and everywhere if hurt."""
+  ids = read.ids
+  keep = read.intact & ~xp.any(hurt) & (ids >= 0) & (ids < num_rows)
+  return xp.where(keep, ids, xp.asarray(num_rows, ids.dtype))
