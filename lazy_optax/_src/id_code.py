@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazy_optax._src import damage
+from lazy_optax._src import sharding as _sharding
 from lazy_optax._src import validate
 
 CODE_DTYPE = jnp.float32
@@ -115,7 +116,7 @@ def _on_host(x: Any) -> Any:
   return None
 
 
-def _placed(host: np.ndarray, like: Any) -> jax.Array:
+def _placed(host: Any, like: Any) -> jax.Array:
   """`host` where `like` is (committed to its devices only if `like` is)."""
   if isinstance(like, jax.Array) and like.committed:
     return jax.device_put(host, like.sharding)
@@ -250,7 +251,8 @@ def damaged(decoded: Decoded, values: jax.Array) -> jax.Array:
           | (decoded.empty & _rows_nonzero(values)))
 
 
-def _damaged_on_host(code: Any, values: Any, num_rows: int) -> Any:
+def _damaged_on_host(code: Any, values: Any,
+                     num_rows: int) -> tuple[Decoded, Any] | None:
   """`(decoded, damaged)` in NumPy for concrete leaves, else None.
 
   The values are read (on their device) only where an entry is empty.
@@ -265,6 +267,19 @@ def _damaged_on_host(code: Any, values: Any, num_rows: int) -> Any:
       return None
     hurt = hurt | (read.empty & np.asarray(nonzero))
   return read, hurt
+
+
+def check_varying(ids_or_code: jax.Array, values: jax.Array,
+                  where: str) -> None:
+  """Refuses values that do not vary over mesh axes the ids vary over.
+
+  Such values were summed across devices already (autodiff of a replicated
+  input inside `shard_map`) while the ids stayed per device.
+  """
+  missing = (_sharding.varying_axes(ids_or_code)
+             - _sharding.varying_axes(values))
+  if missing:
+    raise ValueError(validate.reduced_values_message(where, sorted(missing)))
 
 
 def check(code: Any, values: Any, num_rows: int, where: str) -> None:
@@ -319,7 +334,8 @@ def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
   """
   on_host = _damaged_on_host(code, values, num_rows)
   if on_host is not None:
-    return _placed(_kept(*on_host, num_rows, np), code)
+    read, hurt = on_host
+    return _placed(_kept(read, hurt, num_rows, np), code)
   decoded = decode(code, index_dtype(num_rows))
   hurt = damaged(decoded, values)
   if report and isinstance(hurt, jax.core.Tracer) and values.shape[0]:
@@ -337,3 +353,54 @@ def _kept(read: Decoded, hurt: Any, num_rows: int, xp: Any) -> Any:
   ids = read.ids
   keep = read.intact & ~xp.any(hurt) & (ids >= 0) & (ids < num_rows)
   return xp.where(keep, ids, xp.asarray(num_rows, ids.dtype))
+
+
+class RowIds:
+  """The ids of a `SparseRows`, in one of two forms (fixed once made).
+
+  `given`: distinct ids that the library built (trusted, never checked);
+  `leaf`: an id code rebuilt from pytree leaves (checked where it is
+  consumed). The code of concrete given ids is encoded once, with NumPy;
+  traced ones are encoded at each read, in the trace that reads them.
+  """
+
+  __slots__ = ('given', 'leaf', '_memo')
+  _memo: Any
+
+  def __init__(self, given: Any = None, leaf: Any = None):
+    self.given, self.leaf, self._memo = given, leaf, None
+
+  def code(self) -> Any:
+    """The id code `[N, C]`: the form the ids take as a pytree leaf."""
+    if self.given is None:
+      return self.leaf
+    memo = self._memo
+    if memo is None or memo.is_deleted():  # (donated to a jitted call)
+      memo = encode(self.given)
+      if isinstance(memo, jax.core.Tracer):
+        return memo  # never kept: it belongs to one trace
+      self._memo = memo
+    return memo
+
+  def decoded(self, num_rows: int) -> Decoded:
+    """The ids, and per entry whether it is intact and whether it is empty."""
+    if self.given is None:
+      return decode(self.leaf, index_dtype(num_rows))
+    n = self.given.shape[0]
+    return Decoded(self.given, jnp.ones((n,), bool), jnp.zeros((n,), bool))
+
+  def check(self, values: Any, num_rows: int, where: str) -> None:
+    """`check_varying`, and `check` of a code rebuilt from leaves."""
+    check_varying(self.leaf if self.given is None else self.given, values,
+                  where)
+    if self.given is None:
+      check(self.leaf, values, num_rows, where)
+
+  def safe_ids(self, values: Any, num_rows: int, where: str,
+               report: bool) -> Any:
+    """`safe_ids` of a code rebuilt from leaves; the given ids in range."""
+    if self.given is None:
+      return safe_ids(self.leaf, values, num_rows, where, report)
+    ids = self.given
+    return jnp.where((ids >= 0) & (ids < num_rows), ids,
+                     jnp.asarray(num_rows, ids.dtype))
