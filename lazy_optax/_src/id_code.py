@@ -21,7 +21,12 @@ id_i, two check hashes of id_i)` with `unit = 2**-60`:
 
 This module is the one owner of the code: it encodes, decodes, says which
 entries are damaged (`damaged`, `check`) and which ids a consumer may write
-(`safe_ids`, which also reports damage seen under `jax.jit`).
+(`safe_ids`, which also reports damage seen under `jax.jit`), and holds a
+`SparseRows`'s ids in either form (`RowIds`). The arithmetic is written once
+over an array module: NumPy for concrete arrays (no XLA program to compile
+or dispatch), `jax.numpy` for tracers and arrays split over devices; both
+give the same bits (entries below float32's smallest normal number read as
+zero, as XLA's CPU flushes them).
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from lazy_optax._src import damage
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src import validate
 
-CODE_DTYPE = jnp.float32
+CODE_DTYPE = np.float32
 UNIT = 2.0 ** -60
 _PART_BITS = 16
 _CHECKS = 2
@@ -126,8 +131,8 @@ def _placed(host: Any, like: Any) -> jax.Array:
 def _encode(ids: Any, xp: Any) -> Any:
   parts = _split(ids, xp)
   columns = [xp.ones(ids.shape, xp.uint32)] + parts + _checks(parts, xp)
-  whole = xp.stack(columns, axis=-1).astype(xp.float32)
-  return whole * xp.asarray(UNIT, xp.float32)
+  whole = xp.stack(columns, axis=-1).astype(CODE_DTYPE)
+  return whole * xp.asarray(UNIT, CODE_DTYPE)
 
 
 def encode(ids: jax.Array) -> jax.Array:
@@ -168,7 +173,7 @@ class Decoded(NamedTuple):
 
 
 def _decode(code: Any, id_dtype: Any, xp: Any) -> Decoded:
-  code = code.astype(xp.float32)
+  code = code.astype(CODE_DTYPE)
   # Subnormal entries read as zero on every backend (XLA's CPU flushes them).
   code = xp.where(xp.abs(code) < _TINY, xp.zeros_like(code), code)
   unit = code[:, 0]
@@ -186,11 +191,16 @@ def _decode(code: Any, id_dtype: Any, xp: Any) -> Decoded:
   expected = xp.stack(_checks(parts, xp), axis=-1)
   checks_match = xp.all(parts32[:, n:] == expected, axis=1)
   intact = (unit != 0) & xp.isfinite(unit) & close & fits & checks_match
+  return Decoded(_join(parts, id_dtype, xp), intact, empty)
+
+
+def _join(parts: list[Any], id_dtype: Any, xp: Any) -> Any:
+  """The ids of `id_dtype` whose 16-bit parts are `parts` (`_split`'s)."""
   udtype = xp.uint64 if np.dtype(id_dtype).itemsize == 8 else xp.uint32
-  value = xp.zeros(code.shape[:1], udtype)
+  value = xp.zeros(parts[0].shape, udtype)
   for p in parts:
     value = (value << _PART_BITS) | p.astype(udtype)
-  return Decoded(_bitcast(value, np.dtype(id_dtype), xp), intact, empty)
+  return _bitcast(value, np.dtype(id_dtype), xp)
 
 
 def decode(code: jax.Array, id_dtype: Any) -> Decoded:
