@@ -111,12 +111,14 @@ def _on_host(x: Any) -> Any:
   """`x` as a NumPy array where reading it runs no XLA program, else None.
 
   A tracer is never read; neither is an array split over devices (its code
-  stays split alike, as XLA computes it).
+  stays split alike, as XLA computes it) nor one on an accelerator (reading
+  it would wait for the device and copy to the host, every step).
   """
   if isinstance(x, np.ndarray):
     return x
   if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-      and x.is_fully_addressable and x.sharding.is_fully_replicated):
+      and x.is_fully_addressable and x.sharding.is_fully_replicated
+      and all(d.platform == 'cpu' for d in x.devices())):
     return np.asarray(x)
   return None
 
