@@ -10,6 +10,7 @@ import pytest
 
 import lazy_optax
 from lazy_optax import SparseRows
+from lazy_optax._src import id_code
 from lazy_optax.tree import deduplicate
 
 
@@ -72,8 +73,10 @@ def test_only_sparse_rows_touches_its_private_parts():
   # One owner of the form of a row-sparse gradient: no other module builds
   # one from private constructors or reads its private fields.
   root = pathlib.Path(lazy_optax.__file__).parent
+  # (`self._fused` and `self._backend` of other classes are their own.)
   private = re.compile(r'SparseRows\._\w+|\._(ids|code|made|fill|'
-                       r'with_values|from_code|set)\b')
+                       r'with_values|from_code|set)\b'
+                       r'|(?<!self)\._(backend|fused|aux)\b')
   offenders = [
       f'{path.relative_to(root)}:{i}: {line.strip()}'
       for path in sorted(root.rglob('*.py'))
@@ -154,3 +157,99 @@ def test_out_of_range_ids_are_kept_alike_with_and_without_a_branch(ids):
         np.concatenate([named, np.full(ids.size - named.size, num_rows)]
                        ).astype(np.int32), ids, outside, num_rows)
     np.testing.assert_array_equal(out, want)
+
+
+# -- the id code: NumPy for concrete arrays, jax.numpy for tracers ----------
+
+def _codes_to_read(ids):
+  """Intact, scaled, damaged and empty codes of `ids` (float32, `[N, C]`)."""
+  rng = np.random.default_rng(len(ids))
+  code = np.asarray(jax.jit(id_code.encode)(ids))   # the traced path
+  n, width = code.shape
+  other = np.roll(code, 1, axis=0)
+  noisy = code * (1 + rng.normal(size=code.shape) * 1e-3)
+  mixed = code.copy()
+  if n:
+    mixed[::3] = 0                                    # empty entries
+    mixed[1::5, 2] = np.nan
+    mixed[2::7, 0] = np.inf
+    mixed[3::4] = rng.normal(size=mixed[3::4].shape) * 2.0 ** -50
+  cases = [code, 3.0 * code, -0.5 * code, code * 2.0 ** -70,  # subnormal
+           code * 2.0 ** -90, code + other, (code + other) / 2, noisy,
+           code.astype(jnp.bfloat16).astype(np.float32), mixed,
+           rng.normal(size=(n, width)), np.zeros((n, width))]
+  return [np.asarray(c, np.float32) for c in cases]
+
+
+def _same_bits_both_ways(id_dtype, ids):
+  ids = np.asarray(ids, id_dtype)
+  eager = np.asarray(id_code.encode(jnp.asarray(ids)))
+  traced = np.asarray(jax.jit(id_code.encode)(jnp.asarray(ids)))
+  assert eager.shape == (ids.size, id_code.code_width(id_dtype))
+  np.testing.assert_array_equal(eager.view(np.uint32), traced.view(np.uint32))
+  read = jax.jit(id_code.decode, static_argnums=1)
+  for code in _codes_to_read(jnp.asarray(ids)):
+    host = id_code.decode(jnp.asarray(code), id_dtype)
+    device = read(jnp.asarray(code), id_dtype)
+    for a, b in zip(host, device):
+      assert np.asarray(a).dtype == np.asarray(b).dtype
+      np.testing.assert_array_equal(a, b)
+  # An intact code reads back every id (the reference: the ids themselves).
+  back = id_code.decode(jnp.asarray(eager), id_dtype)
+  np.testing.assert_array_equal(back.ids, ids)
+  assert np.all(np.asarray(back.intact)) and not np.any(np.asarray(back.empty))
+
+
+@pytest.mark.parametrize('n', [0, 1, 61])
+def test_concrete_and_traced_id_codes_have_the_same_bits(n):
+  rng = np.random.default_rng(n)
+  edges = np.array([0, 1, -1, 2 ** 31 - 1, -2 ** 31, 65535, 65536])
+  ids = np.concatenate([edges, rng.integers(-2 ** 31, 2 ** 31, 64)])[:n]
+  _same_bits_both_ways(np.int32, ids)
+  with jax.enable_x64(True):
+    edges = np.array([2 ** 63 - 1, -2 ** 63, 2 ** 32 + 3, 2 ** 48, -5])
+    ids = np.concatenate([edges, rng.integers(-2 ** 63, 2 ** 63 - 1, 64)])
+    _same_bits_both_ways(np.int64, ids[:n])
+
+
+def test_a_concrete_sparse_rows_flattens_and_reads_its_ids_without_xla():
+  # Shapes no other test uses: an op-by-op program would compile here.
+  g = SparseRows(jnp.arange(29) % 23, jnp.ones((29, 3)), 1009)
+  scaled = jnp.asarray(2.0 ** -80, jnp.float32)   # flushes every code entry
+  compiles = []
+
+  def count(event, duration, **kwargs):
+    del duration, kwargs
+    if event == '/jax/core/compile/backend_compile_duration':
+      compiles.append(event)
+
+  jax.monitoring.register_event_duration_secs_listener(count)
+  try:
+    code, values = jax.tree.leaves(g)
+    rebuilt = jax.tree.unflatten(jax.tree.structure(g), [code, values])
+    ids, safe = rebuilt.ids, rebuilt.safe_ids()
+    rebuilt.check()
+    assert jax.tree.leaves(g)[0] is code     # encoded once, then kept
+    seen = len(compiles)
+    jax.jit(lambda c: c * 0.25)(scaled)      # the count can see a compile
+  finally:
+    jax.monitoring.unregister_event_duration_listener(count)
+  assert seen == 0 and len(compiles) >= 1, compiles
+  want = np.concatenate([np.arange(23), np.full(6, 1009)])
+  np.testing.assert_array_equal(ids, want)
+  np.testing.assert_array_equal(safe, want)
+  assert isinstance(code, jax.Array) and code.dtype == jnp.float32
+
+
+def test_a_code_encoded_in_a_trace_is_not_kept():
+  g = SparseRows(jnp.array([4, 1]), jnp.ones((2, 2)), 6)
+  # Flattened first inside a trace (a closed-over gradient): that code
+  # belongs to the trace, and the gradient keeps none of it.
+  out = jax.jit(lambda x: x + jax.tree.leaves(g)[0].sum())(jnp.float32(0))
+  code = jax.tree.leaves(g)[0]
+  assert not isinstance(code, jax.core.Tracer)
+  np.testing.assert_allclose(out, np.asarray(code).sum(), rtol=1e-6)
+  # A kept code donated to a jitted call is encoded again when read.
+  jax.jit(lambda c: c * 2, donate_argnums=0)(code)
+  np.testing.assert_array_equal(jax.tree.leaves(g)[0],
+                                jax.jit(id_code.encode)(g.ids))

@@ -182,8 +182,8 @@ class RowMoves:
   """
   __slots__ = ('row_kernels',)
 
-  def __init__(self, row_kernels: Optional[bool]):
-    self.row_kernels = row_kernels
+  def __init__(self, backend: Optional[Backend]):
+    self.row_kernels = None if backend is None else backend.row_kernels
 
   def __eq__(self, other: Any) -> bool:
     return isinstance(other, RowMoves)

@@ -18,6 +18,7 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import id_code
 from lazy_optax._src import validate
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import is_sparse_rows
@@ -58,8 +59,7 @@ def check_ids_in_range(tree: Any) -> None:
     where = f'parameter {path_name(path)}'
     leaf.check(where)
     decoded = leaf.decoded()
-    rows_nonzero = jnp.any(leaf.values.reshape(leaf.num_ids, -1) != 0, axis=1)
-    damaged = ~(decoded.intact | (decoded.empty & ~rows_nonzero))
+    damaged = id_code.damaged(decoded, leaf.values)
     checkify.check(
         ~jnp.any(damaged),
         validate.damaged_ids_message(_braces(where), '{count}', leaf.num_ids),

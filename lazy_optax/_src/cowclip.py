@@ -37,10 +37,10 @@ import optax
 from lazy_optax._src import fused
 from lazy_optax._src import validate
 from lazy_optax._src.adam import epsilon_hat_adam
+from lazy_optax._src.distinct import distinct_rows
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
-from lazy_optax._src.sparse_rows import distinct_rows
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
 

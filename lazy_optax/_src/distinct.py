@@ -22,7 +22,6 @@ from lazy_optax._src import branching
 from lazy_optax._src import dedup
 from lazy_optax._src import id_code
 from lazy_optax._src import sharding as _sharding
-from lazy_optax._src import validate
 
 if TYPE_CHECKING:
   from lazy_optax._src.sparse_rows import SparseRows
@@ -31,19 +30,6 @@ if TYPE_CHECKING:
 def rows_nonzero(values: jax.Array) -> jax.Array:
   """Per row, whether any entry is not zero (NaN counts as not zero)."""
   return jnp.any(values.reshape(values.shape[0], -1) != 0, axis=1)
-
-
-def check_varying(ids_or_code: jax.Array, values: jax.Array,
-                  where: str) -> None:
-  """Refuses values that do not vary over mesh axes the ids vary over.
-
-  Such values were summed across devices already (autodiff of a replicated
-  input inside `shard_map`) while the ids stayed per device.
-  """
-  missing = (_sharding.varying_axes(ids_or_code)
-             - _sharding.varying_axes(values))
-  if missing:
-    raise ValueError(validate.reduced_values_message(where, sorted(missing)))
 
 
 def _with_out_of_range(unique_ids: jax.Array, ids: jax.Array,
@@ -99,7 +85,7 @@ def _from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
               row_kernels: bool) -> tuple[jax.Array, jax.Array]:
   """`from_ids`, traced for one backend (`row_kernels`)."""
   # Refused before the sums below hide it.
-  check_varying(ids, values, 'SparseRows')
+  id_code.check_varying(ids, values, 'SparseRows')
   if ids.shape[0] == 0:
     return ids, values
   ids = _sharding.replicate_if_explicit(ids)
@@ -251,6 +237,5 @@ def deduplicate(grad: SparseRows, where: str | None = None) -> UniqueRows:
     >>> u.ids, u.values[:, 0]
     (Array([1, 3, 5], dtype=int32), Array([1., 2., 0.], dtype=float32))
   """
-  return UniqueRows(*distinct_rows(
-      grad, where or 'a SparseRows',
-      grad._backend))  # pylint: disable=protected-access
+  return UniqueRows(*distinct_rows(grad, where or 'a SparseRows',
+                                   grad.backend))

@@ -61,13 +61,26 @@ from lazy_optax._src.backend import REGATHER_MIN_ROW_BYTES  # noqa: F401
 from lazy_optax._src.backend import row_bytes as _row_bytes
 from lazy_optax._src.placement import Placement
 from lazy_optax._src.placement import placement
-from lazy_optax._src.sparse_rows import FusedAdd
 
 IMPLS = validate.IMPLS
 
 # The keyword under which `lazy(...)` hands its `RowContext` to `tx.update`
 # (optax's extra arguments), and `explain_update` its log to `lazy`.
 ROWS_KEY = 'lazy_optax_rows'
+
+
+class FusedAdd(NamedTuple):
+  """How an update made by `lazy(...)` adds itself to its parameter table.
+
+  A rule whose update is a function of the parameter rows (row max-norm)
+  can be applied where the rows are added, reading each row once: `add`
+  gives `table + update` for the table the rows were computed from, equal
+  to the scatter-add of `values` (`SparseRows.with_fused_add`).
+  """
+  table: Any  # the parameter table the update was computed from
+  # (table, safe ids, values, the table's row-move backend) -> new table
+  add: Callable[[jax.Array, jax.Array, jax.Array, Optional[Backend]],
+                jax.Array]
 
 
 class RowRule(NamedTuple):

@@ -21,7 +21,12 @@ id_i, two check hashes of id_i)` with `unit = 2**-60`:
 
 This module is the one owner of the code: it encodes, decodes, says which
 entries are damaged (`damaged`, `check`) and which ids a consumer may write
-(`safe_ids`, which also reports damage seen under `jax.jit`).
+(`safe_ids`, which also reports damage seen under `jax.jit`), and holds a
+`SparseRows`'s ids in either form (`RowIds`). The arithmetic is written once
+over an array module: NumPy for concrete arrays (no XLA program to compile
+or dispatch), `jax.numpy` for tracers and arrays split over devices; both
+give the same bits (entries below float32's smallest normal number read as
+zero, as XLA's CPU flushes them).
 """
 
 from __future__ import annotations
@@ -33,13 +38,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from lazy_optax._src import damage
+from lazy_optax._src import sharding as _sharding
 from lazy_optax._src import validate
 
-CODE_DTYPE = jnp.float32
+CODE_DTYPE = np.float32
 UNIT = 2.0 ** -60
 _PART_BITS = 16
 _CHECKS = 2
 _TOLERANCE = 0.25   # how far from a whole number a scaled part may drift
+_TINY = float(np.finfo(np.float32).tiny)
 
 
 def index_dtype(num_rows: int) -> Any:
@@ -62,51 +69,96 @@ def code_width(id_dtype: Any) -> int:
   return 1 + num_parts(id_dtype) + _CHECKS
 
 
-def _unsigned(ids: jax.Array) -> jax.Array:
-  wide = jnp.dtype(ids.dtype).itemsize == 8
-  return jax.lax.bitcast_convert_type(ids, jnp.uint64 if wide else jnp.uint32)
+def _bitcast(x: Any, dtype: Any, xp: Any) -> Any:
+  if xp is np:
+    return x.view(dtype)
+  return jax.lax.bitcast_convert_type(x, dtype)
 
 
-def _mix32(x: jax.Array) -> jax.Array:
+def _unsigned(ids: Any, xp: Any) -> Any:
+  wide = np.dtype(ids.dtype).itemsize == 8
+  return _bitcast(ids, xp.uint64 if wide else xp.uint32, xp)
+
+
+def _mix32(x: Any, xp: Any) -> Any:
   """A 32-bit avalanche mix (the murmur3 finalizer) of a uint32 array."""
   x = x ^ (x >> 16)
-  x = x * jnp.uint32(0x85EBCA6B)
+  x = x * xp.uint32(0x85EBCA6B)
   x = x ^ (x >> 13)
-  x = x * jnp.uint32(0xC2B2AE35)
+  x = x * xp.uint32(0xC2B2AE35)
   return x ^ (x >> 16)
 
 
-def _checks(parts: list[jax.Array]) -> list[jax.Array]:
+def _checks(parts: list[Any], xp: Any) -> list[Any]:
   """Two 16-bit check values in [1, 65535] from the id's parts (uint32)."""
-  h = jnp.uint32(0x9E3779B9)
+  h = xp.uint32(0x9E3779B9)
   for p in parts:
-    h = _mix32(h ^ p)
+    h = _mix32(h ^ p, xp)
   low, high = h & 0xFFFF, h >> 16
-  return [jnp.maximum(low, 1), jnp.maximum(high, 1)]
+  return [xp.maximum(low, 1), xp.maximum(high, 1)]
 
 
-def _split(ids: jax.Array) -> list[jax.Array]:
+def _split(ids: Any, xp: Any) -> list[Any]:
   """The id's 16-bit parts, most significant first, as uint32."""
-  u = _unsigned(ids)
+  u = _unsigned(ids, xp)
   n = num_parts(ids.dtype)
   mask = (1 << _PART_BITS) - 1
-  return [((u >> (_PART_BITS * (n - 1 - k))) & mask).astype(jnp.uint32)
+  return [((u >> (_PART_BITS * (n - 1 - k))) & mask).astype(xp.uint32)
           for k in range(n)]
+
+
+def _on_host(x: Any) -> Any:
+  """`x` as a NumPy array where reading it runs no XLA program, else None.
+
+  A tracer is never read; neither is an array split over devices (its code
+  stays split alike, as XLA computes it) nor one on an accelerator (reading
+  it would wait for the device and copy to the host, every step).
+  """
+  if isinstance(x, np.ndarray):
+    return x
+  if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+      and x.is_fully_addressable and x.sharding.is_fully_replicated
+      and all(d.platform == 'cpu' for d in x.devices())):
+    return np.asarray(x)
+  return None
+
+
+def _placed(host: Any, like: Any) -> jax.Array:
+  """`host` where `like` is (committed to its devices only if `like` is)."""
+  if isinstance(like, jax.Array) and like.committed:
+    return jax.device_put(host, like.sharding)
+  return jax.device_put(host)  # (jnp.asarray would compile a copy)
+
+
+def _encode(ids: Any, xp: Any) -> Any:
+  parts = _split(ids, xp)
+  columns = [xp.ones(ids.shape, xp.uint32)] + parts + _checks(parts, xp)
+  whole = xp.stack(columns, axis=-1).astype(CODE_DTYPE)
+  return whole * xp.asarray(UNIT, CODE_DTYPE)
 
 
 def encode(ids: jax.Array) -> jax.Array:
   """The id code of integer ids.
+
+  Concrete ids are encoded with NumPy (no XLA program to compile or run),
+  traced ones with `jax.numpy`: the same bits.
 
   Args:
     ids: integer array of shape `[N]` (int32, or int64 under x64).
 
   Returns:
     A float32 array of shape `[N, code_width(ids.dtype)]`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> code = encode(jnp.array([7, 0], jnp.int32))
+    >>> code.shape, decode(code, jnp.int32).ids
+    ((2, 5), Array([7, 0], dtype=int32))
   """
-  parts = _split(ids)
-  columns = [jnp.ones(ids.shape, jnp.uint32)] + parts + _checks(parts)
-  whole = jnp.stack(columns, axis=-1).astype(CODE_DTYPE)
-  return whole * jnp.asarray(UNIT, CODE_DTYPE)
+  host = _on_host(ids)
+  if host is None:
+    return _encode(ids, jnp)
+  return _placed(_encode(host, np), ids)
 
 
 class Decoded(NamedTuple):
@@ -122,8 +174,42 @@ class Decoded(NamedTuple):
   empty: jax.Array
 
 
+def _decode(code: Any, id_dtype: Any, xp: Any) -> Decoded:
+  code = code.astype(CODE_DTYPE)
+  # Subnormal entries read as zero on every backend (XLA's CPU flushes them).
+  code = xp.where(xp.abs(code) < _TINY, xp.zeros_like(code), code)
+  unit = code[:, 0]
+  empty = xp.all(code == 0, axis=1)
+  safe_unit = xp.where(unit == 0, xp.ones_like(unit), unit)
+  ratios = code[:, 1:] / safe_unit[:, None]
+  whole = xp.round(ratios)
+  n = num_parts(id_dtype)
+  close = xp.all(xp.abs(ratios - whole) <= _TOLERANCE, axis=1)
+  fits = xp.all((whole >= 0) & (whole < (1 << _PART_BITS)), axis=1)
+  # NaN read as 0 and clipped, so that the casts to uint32 are defined.
+  whole = xp.where(xp.isnan(whole), xp.zeros_like(whole), whole)
+  parts32 = xp.clip(whole, 0, (1 << _PART_BITS) - 1).astype(xp.uint32)
+  parts = [parts32[:, k] for k in range(n)]
+  expected = xp.stack(_checks(parts, xp), axis=-1)
+  checks_match = xp.all(parts32[:, n:] == expected, axis=1)
+  intact = (unit != 0) & xp.isfinite(unit) & close & fits & checks_match
+  return Decoded(_join(parts, id_dtype, xp), intact, empty)
+
+
+def _join(parts: list[Any], id_dtype: Any, xp: Any) -> Any:
+  """The ids of `id_dtype` whose 16-bit parts are `parts` (`_split`'s)."""
+  udtype = xp.uint64 if np.dtype(id_dtype).itemsize == 8 else xp.uint32
+  value = xp.zeros(parts[0].shape, udtype)
+  for p in parts:
+    value = (value << _PART_BITS) | p.astype(udtype)
+  return _bitcast(value, np.dtype(id_dtype), xp)
+
+
 def decode(code: jax.Array, id_dtype: Any) -> Decoded:
   """Reads ids back from an id code and says which entries are intact.
+
+  A concrete code is read with NumPy, a traced one with `jax.numpy`: the
+  same bits.
 
   Args:
     code: float array `[N, code_width(id_dtype)]`, an id code possibly
@@ -132,30 +218,26 @@ def decode(code: jax.Array, id_dtype: Any) -> Decoded:
 
   Returns:
     A `Decoded` of three `[N]` arrays.
-  """
-  code = code.astype(CODE_DTYPE)
-  unit = code[:, 0]
-  empty = jnp.all(code == 0, axis=1)
-  safe_unit = jnp.where(unit == 0, jnp.ones_like(unit), unit)
-  ratios = code[:, 1:] / safe_unit[:, None]
-  whole = jnp.round(ratios)
-  n = num_parts(id_dtype)
-  close = jnp.all(jnp.abs(ratios - whole) <= _TOLERANCE, axis=1)
-  fits = jnp.all((whole >= 0) & (whole < (1 << _PART_BITS)), axis=1)
-  # Clipped so that the float -> uint32 casts below are defined everywhere.
-  parts32 = jnp.clip(whole, 0, (1 << _PART_BITS) - 1).astype(jnp.uint32)
-  parts = [parts32[:, k] for k in range(n)]
-  expected = jnp.stack(_checks(parts), axis=-1)
-  checks_match = jnp.all(parts32[:, n:] == expected, axis=1)
-  intact = (unit != 0) & jnp.isfinite(unit) & close & fits & checks_match
-  wide = jnp.dtype(id_dtype).itemsize == 8
-  udtype = jnp.uint64 if wide else jnp.uint32
-  value = jnp.zeros(code.shape[:1], udtype)
-  for p in parts:
-    value = (value << _PART_BITS) | p.astype(udtype)
-  ids = jax.lax.bitcast_convert_type(value, jnp.dtype(id_dtype))
-  return Decoded(ids, intact, empty)
 
+  Example:
+    >>> import jax.numpy as jnp
+    >>> d = decode(3.0 * encode(jnp.array([5], jnp.int32)), jnp.int32)
+    >>> d.ids, d.intact.tolist(), d.empty.tolist()
+    (Array([5], dtype=int32), [True], [False])
+  """
+  read = _decode_on_host(code, id_dtype)
+  if read is None:
+    return _decode(code, id_dtype, jnp)
+  return Decoded(*(_placed(x, code) for x in read))
+
+
+def _decode_on_host(code: Any, id_dtype: Any) -> Decoded | None:
+  """`decode` with NumPy, of a code readable on the host (else None)."""
+  host = _on_host(code)
+  if host is None:
+    return None
+  with np.errstate(all='ignore'):  # inf and NaN are damage, read as such
+    return _decode(host, id_dtype, np)
 
 
 # -- what the consumers of a code do with it ---------------------------------
@@ -181,6 +263,37 @@ def damaged(decoded: Decoded, values: jax.Array) -> jax.Array:
           | (decoded.empty & _rows_nonzero(values)))
 
 
+def _damaged_on_host(code: Any, values: Any,
+                     num_rows: int) -> tuple[Decoded, Any] | None:
+  """`(decoded, damaged)` in NumPy for concrete leaves, else None.
+
+  The values are read (on their device) only where an entry is empty.
+  """
+  read = _decode_on_host(code, index_dtype(num_rows))
+  if read is None or isinstance(values, jax.core.Tracer):
+    return None
+  hurt = ~(read.intact | read.empty)
+  if read.empty.any():
+    nonzero = _rows_nonzero(values)
+    if isinstance(nonzero, jax.core.Tracer):  # concrete leaves in a trace
+      return None
+    hurt = hurt | (read.empty & np.asarray(nonzero))
+  return read, hurt
+
+
+def check_varying(ids_or_code: jax.Array, values: jax.Array,
+                  where: str) -> None:
+  """Refuses values that do not vary over mesh axes the ids vary over.
+
+  Such values were summed across devices already (autodiff of a replicated
+  input inside `shard_map`) while the ids stayed per device.
+  """
+  missing = (_sharding.varying_axes(ids_or_code)
+             - _sharding.varying_axes(values))
+  if missing:
+    raise ValueError(validate.reduced_values_message(where, sorted(missing)))
+
+
 def check(code: Any, values: Any, num_rows: int, where: str) -> None:
   """Raises on damage to a code that is visible now.
 
@@ -199,9 +312,13 @@ def check(code: Any, values: Any, num_rows: int, where: str) -> None:
     return
   if values.shape[0] == 0:
     return
-  hurt = damaged(decode(code, index_dtype(num_rows)), values)
-  if isinstance(hurt, jax.core.Tracer):  # concrete leaves inside a trace
-    return
+  on_host = _damaged_on_host(code, values, num_rows)
+  if on_host is None:  # concrete leaves inside a trace, or split over devices
+    hurt = damaged(decode(code, index_dtype(num_rows)), values)
+    if isinstance(hurt, jax.core.Tracer):
+      return
+  else:
+    hurt = on_host[1]
   if np.any(hurt):
     raise ValueError(validate.damaged_ids_message(
         where, int(np.sum(hurt)), values.shape[0]))
@@ -227,6 +344,10 @@ def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
   Returns:
     An integer array `[N]`.
   """
+  on_host = _damaged_on_host(code, values, num_rows)
+  if on_host is not None:
+    read, hurt = on_host
+    return _placed(_kept(read, hurt, num_rows, np), code)
   decoded = decode(code, index_dtype(num_rows))
   hurt = damaged(decoded, values)
   if report and isinstance(hurt, jax.core.Tracer) and values.shape[0]:
@@ -236,6 +357,62 @@ def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
     zero = damage.report_if_damaged(~jnp.any(reported), jnp.sum(reported),
                                     where, values.shape[0])
     hurt = hurt | (zero != 0)  # ties the step's outputs to the report
-  ids = decoded.ids
-  keep = decoded.intact & ~jnp.any(hurt) & (ids >= 0) & (ids < num_rows)
-  return jnp.where(keep, ids, jnp.asarray(num_rows, ids.dtype))
+  return _kept(decoded, hurt, num_rows, jnp)
+
+
+def _kept(read: Decoded, hurt: Any, num_rows: int, xp: Any) -> Any:
+  """The intact in-range ids, `num_rows` elsewhere and everywhere if hurt."""
+  ids = read.ids
+  keep = read.intact & ~xp.any(hurt) & (ids >= 0) & (ids < num_rows)
+  return xp.where(keep, ids, xp.asarray(num_rows, ids.dtype))
+
+
+class RowIds:
+  """The ids of a `SparseRows`, in one of two forms (fixed once made).
+
+  `given`: distinct ids that the library built (trusted, never checked);
+  `leaf`: an id code rebuilt from pytree leaves (checked where it is
+  consumed). The code of concrete given ids is encoded once, with NumPy;
+  traced ones are encoded at each read, in the trace that reads them.
+  """
+
+  __slots__ = ('given', 'leaf', '_memo')
+  _memo: Any
+
+  def __init__(self, given: Any = None, leaf: Any = None):
+    self.given, self.leaf, self._memo = given, leaf, None
+
+  def code(self) -> Any:
+    """The id code `[N, C]`: the form the ids take as a pytree leaf."""
+    if self.given is None:
+      return self.leaf
+    memo = self._memo
+    if memo is None or memo.is_deleted():  # (donated to a jitted call)
+      memo = encode(self.given)
+      if isinstance(memo, jax.core.Tracer):
+        return memo  # never kept: it belongs to one trace
+      self._memo = memo
+    return memo
+
+  def decoded(self, num_rows: int) -> Decoded:
+    """The ids, and per entry whether it is intact and whether it is empty."""
+    if self.given is None:
+      return decode(self.leaf, index_dtype(num_rows))
+    n = self.given.shape[0]
+    return Decoded(self.given, jnp.ones((n,), bool), jnp.zeros((n,), bool))
+
+  def check(self, values: Any, num_rows: int, where: str) -> None:
+    """`check_varying`, and `check` of a code rebuilt from leaves."""
+    check_varying(self.leaf if self.given is None else self.given, values,
+                  where)
+    if self.given is None:
+      check(self.leaf, values, num_rows, where)
+
+  def safe_ids(self, values: Any, num_rows: int, where: str,
+               report: bool) -> Any:
+    """`safe_ids` of a code rebuilt from leaves; the given ids in range."""
+    if self.given is None:
+      return safe_ids(self.leaf, values, num_rows, where, report)
+    ids = self.given
+    return jnp.where((ids >= 0) & (ids < num_rows), ids,
+                     jnp.asarray(num_rows, ids.dtype))

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
-from lazy_optax._src.sparse_rows import index_dtype
+from lazy_optax._src.id_code import index_dtype
 
 _LOCAL = threading.local()
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Any, Optional, Sequence, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -12,67 +12,35 @@ from lazy_optax._src import distinct as _distinct
 from lazy_optax._src import id_code
 from lazy_optax._src import row_ops
 from lazy_optax._src import validate
-
-# Also read from here: (lazy, stochastic_rounding, row_reads).
-from lazy_optax._src.distinct import deduplicate  # noqa: F401
-from lazy_optax._src.distinct import distinct_rows  # noqa: F401
+from lazy_optax._src.distinct import distinct_rows  # noqa: F401  (lazy.py)
 from lazy_optax._src.id_code import index_dtype
 
-_MISSING = object()
-
-
-def _is_tracer(x: Any) -> bool:
-  return isinstance(x, jax.core.Tracer)
-
-
-class _SparseRowsType(type):
-  """A class repr with a hint, for JAX's pytree structure errors to print."""
-
-  def __repr__(cls) -> str:
-    return validate.SPARSE_ROWS_CLASS_HINT
-
-
-class FusedAdd(NamedTuple):
-  """How an update made by `lazy(...)` adds itself to its parameter table.
-
-  A rule whose update is a function of the parameter rows (row max-norm)
-  can be applied where the rows are added, reading each row once: `add`
-  gives `table + update` for the table the rows were computed from, equal
-  to the scatter-add of `values`.
-  """
-  table: Any  # the parameter table the update was computed from
-  # (table, safe ids, values, the table's row-move backend) -> new table
-  add: Callable[[jax.Array, jax.Array, jax.Array,
-                 Optional[backend_lib.Backend]], jax.Array]
+if TYPE_CHECKING:
+  from lazy_optax._src.fused import FusedAdd
 
 
 @jax.tree_util.register_pytree_with_keys_class
-class SparseRows(metaclass=_SparseRowsType):
+class SparseRows(metaclass=validate.SparseRowsClass):
   """A row-sparse gradient or update of a `[num_rows, *row_shape]` array.
 
   Row `ids[i]` of the dense array receives `values[i]` (TensorFlow's
-  `IndexedSlices`, torch's sparse gradients). Repeated ids mean "sum", and
-  are summed when it is built: of its `N` slots, the front ones hold the
-  distinct ids ascending, the rest id `num_rows` (no row) and zeros.
+  `IndexedSlices`). Repeated ids are summed when it is built: of its `N`
+  slots, the front ones hold the distinct ids ascending, the rest id
+  `num_rows` (no row) and zeros. Concrete ids must lie in `[0, num_rows)`;
+  under `jax.jit` an out-of-range id touches no row.
 
-  Construction checks that `ids` is an integer vector with one row of
-  `values` per id, and concrete ids that they lie in `[0, num_rows)`; under
-  `jax.jit` an out-of-range id (a negative one included) touches no row.
-
-  Its pytree leaves are the values and an *id code* (`id_code.py`) that
-  scaling keeps and other tree arithmetic (`jax.tree.map(jnp.add, g1, g2)`,
-  `lax.psum`) damages, which stops the step that consumes it
-  (docs/semantics.md). Combine gradients with `g1 + g2` or
-  `lazy_optax.tree.add`, across devices with `lazy_optax.tree.psum`.
+  Its pytree leaves are an *id code* (`id_code.py`) and the values: scaling
+  keeps the code, other tree arithmetic (`jax.tree.map(jnp.add, g1, g2)`)
+  damages it and stops the step that consumes it (docs/semantics.md).
+  Combine gradients with `g1 + g2` or `lazy_optax.tree.add`, across devices
+  with `lazy_optax.tree.psum`.
 
   Args:
     ids: integer array of shape `[N]`, the row ids (duplicates allowed).
     values: array of shape `[N, *row_shape]`, one row per id.
     num_rows: static Python int, the row count of the dense array.
-    impl: how the repeated ids are summed: `'auto'` (the C++ kernel on one
-      CPU device where the kernels are loaded, else XLA), `'xla'` or
-      `'generic'` (XLA only, no C++ call; what `lazy(..., impl='xla')`
-      steps build their gradients with).
+    impl: how repeated ids are summed: `'auto'` (the C++ kernel on one CPU
+      device where it is loaded, else XLA), `'xla'` or `'generic'` (XLA).
 
   Example:
     >>> import jax.numpy as jnp
@@ -86,75 +54,59 @@ class SparseRows(metaclass=_SparseRowsType):
     Array([1., 1., 1., 1.], dtype=float32)
   """
 
-  # Exactly one of `_ids` (distinct ids, of one built by the library) and
-  # `_code` (the id code of one rebuilt from leaves by tree arithmetic, read
-  # back and checked where it is consumed) is set. `_backend` is the table's
-  # `Backend` of an update that `lazy(...)` made, for the scatter-add that
-  # applies it (its `row_kernels` travels in the aux data: `RowMoves`).
-  # `_fused` (an update that `lazy(...)` made, as it made it: scaling, tree
-  # arithmetic and pytree round trips drop it) adds the update to the table
-  # its rows were computed from in one pass (`FusedAdd`).
-  __slots__ = ('_ids', '_code', 'values', 'num_rows', '_backend', '_fused')
-  _ids: Optional[jax.Array]
-  _code: Optional[jax.Array]
+  __slots__ = ('_ids', 'values', 'num_rows', '_backend', '_fused')
+  _ids: id_code.RowIds
   values: jax.Array
   num_rows: int
   _backend: Optional[backend_lib.Backend]
-  _fused: Optional['FusedAdd']
+  _fused: Optional[FusedAdd]
 
   __array_ufunc__ = None  # numpy defers `ndarray + SparseRows` to __radd__
 
-  def __init__(self, ids: Any = _MISSING, values: Any = _MISSING,
-               num_rows: Any = _MISSING, *, indices: Any = _MISSING,
-               impl: str = 'auto'):
-    ids = validate.ids_argument(ids, indices, values, num_rows, _MISSING)
-    num_rows = validate.num_rows(num_rows)
-    given, ids = ids, ids if _is_tracer(ids) else jnp.asarray(ids)  # 64 bits
-    values = values if _is_tracer(values) else jnp.asarray(values)
-    validate.index_vector(ids, 'SparseRows')
-    validate.one_row_per_index(ids.shape[0], values, 'SparseRows')
-    if not _is_tracer(ids):
-      validate.indices_in_range(given, num_rows, 'SparseRows')  # before a cast
-    validate.impl_argument(impl, 'SparseRows')
+  def __init__(self, ids: Any = validate.MISSING,
+               values: Any = validate.MISSING, num_rows: Any = validate.MISSING,
+               *, indices: Any = validate.MISSING, impl: str = 'auto'):
+    ids, values, num_rows = validate.sparse_rows_arguments(
+        ids, values, num_rows, indices, impl)
     ids, values = _distinct.from_ids(ids.astype(index_dtype(num_rows)), values,
                                     num_rows, impl)
-    self._fill(ids, None, values, num_rows)
+    self._fill(id_code.RowIds(given=ids), values, num_rows)
 
-  def _fill(self, ids: Any, code: Any, values: Any, num_rows: int,
+  def _fill(self, ids: id_code.RowIds, values: Any, num_rows: int,
             backend: Optional[backend_lib.Backend] = None,
-            fused: Optional['FusedAdd'] = None) -> None:
+            fused: Optional[FusedAdd] = None) -> None:
     for name, value in zip(self.__slots__,
-                           (ids, code, values, num_rows, backend, fused)):
+                           (ids, values, num_rows, backend, fused)):
       object.__setattr__(self, name, value)
 
   @classmethod
-  def _made(cls, *fields: Any) -> 'SparseRows':
+  def _made(cls, *fields: Any) -> SparseRows:
     obj = object.__new__(cls)
     obj._fill(*fields)
     return obj
 
-  def _with_values(self, values: Any) -> 'SparseRows':
-    return self._made(self._ids, self._code, values, self.num_rows,
-                      self._backend)
+  def _with_values(self, values: Any) -> SparseRows:
+    return self._made(self._ids, values, self.num_rows, self._backend)
 
-  def with_fused_add(self, fused: 'FusedAdd') -> 'SparseRows':
+  def with_fused_add(self, fused: FusedAdd) -> SparseRows:
     """The same update, added to `fused.table` by `fused.add` (one pass).
 
     Args:
       fused: how these rows add themselves to the table they were computed
-        from; `add_to` uses it for that very array, `values` elsewhere.
+        from (`fused.FusedAdd`); `add_to` uses it for that very array.
+        Scaling, tree arithmetic and pytree round trips drop it.
 
     Returns:
       A `SparseRows` with the same ids and values.
     """
-    return self._made(self._ids, self._code, self.values, self.num_rows,
-                      self._backend, fused)
+    return self._made(self._ids, self.values, self.num_rows, self._backend,
+                      fused)
 
   @classmethod
   def from_unique(cls, ids: jax.Array, values: jax.Array, num_rows: int, *,
                   distinct: bool = False,
                   backend: Optional[backend_lib.Backend] = None,
-                  impl: str = 'auto') -> 'SparseRows':
+                  impl: str = 'auto') -> SparseRows:
     """A `SparseRows` of the library's own: no range checks (ids may hold
     `num_rows`, no row); repeated ids are summed, unless `distinct`.
 
@@ -164,8 +116,7 @@ class SparseRows(metaclass=_SparseRowsType):
       num_rows: the row count of the dense array.
       distinct: whether `(ids, values)` are a deduplication's output (no row
         id twice, zeros in the slots that name no row).
-      backend: the table's `Backend` (an update made by `lazy(...)`): its
-        scatter-add follows it.
+      backend: the table's `Backend` (see `backend`).
       impl: for the deduplication when not `distinct` (see `SparseRows`).
 
     Returns:
@@ -175,10 +126,10 @@ class SparseRows(metaclass=_SparseRowsType):
     ids = jnp.asarray(ids).astype(index_dtype(num_rows))
     if not distinct:
       ids, values = _distinct.from_ids(ids, values, num_rows, impl)
-    return cls._made(ids, None, values, num_rows, backend)
+    return cls._made(id_code.RowIds(given=ids), values, num_rows, backend)
 
   @classmethod
-  def concatenate(cls, parts: Sequence['SparseRows']) -> 'SparseRows':
+  def concatenate(cls, parts: Sequence[SparseRows]) -> SparseRows:
     """The sum of `SparseRows` of one table: their rows, in one `SparseRows`.
 
     Args:
@@ -207,37 +158,27 @@ class SparseRows(metaclass=_SparseRowsType):
                              first.num_rows)
     code, values = _distinct.from_code(
         jnp.concatenate([p.code for p in parts]), values, first.num_rows)
-    return cls._made(None, code, values, first.num_rows)
+    return cls._made(id_code.RowIds(leaf=code), values, first.num_rows)
 
-  @property
-  def has_trusted_ids(self) -> bool:
-    """Whether the ids were given (by the library), not read from a code."""
-    return self._ids is not None
+  has_trusted_ids = property(
+      lambda self: self._ids.given is not None,
+      doc='Whether the ids were given (by the library), not read from a code.')
+  backend = property(lambda self: self._backend, doc=(
+      "The table's `Backend` of an update made by `lazy(...)`, else None."))
 
-  @property
-  def code(self) -> jax.Array:
-    """The id code `[N, C]` (float32): the form the ids take as a leaf."""
-    if self._ids is not None:
-      return id_code.encode(self._ids)
-    return self._code  # type: ignore[return-value]  # a placeholder leaf
-
-  @property
-  def ids(self) -> jax.Array:
-    """The row ids `[N]` (read back from the id code if it was rebuilt)."""
-    return self.decoded().ids
-
-  @property
-  def indices(self) -> jax.Array:
-    """Alias of `ids` (TensorFlow's `IndexedSlices` name); kept for 0.1."""
-    return self.ids
+  code = property(
+      lambda self: self._ids.code(),
+      doc='The id code `[N, C]` (float32): the form the ids take as a leaf.')
+  ids = property(
+      lambda self: self.decoded().ids,
+      doc='The row ids `[N]` (read back from the id code if it was rebuilt).')
+  indices = property(
+      lambda self: self.ids,
+      doc="Alias of `ids` (TensorFlow's `IndexedSlices` name); kept for 0.1.")
 
   def decoded(self) -> id_code.Decoded:
     """The ids, and per entry whether it is intact and whether it is empty."""
-    if self._ids is not None:
-      n = self._ids.shape[0]
-      return id_code.Decoded(self._ids, jnp.ones((n,), bool),
-                             jnp.zeros((n,), bool))
-    return id_code.decode(self.code, index_dtype(self.num_rows))
+    return self._ids.decoded(self.num_rows)
 
   def __setattr__(self, name: str, value: Any) -> None:
     raise AttributeError(
@@ -245,13 +186,11 @@ class SparseRows(metaclass=_SparseRowsType):
 
   # -- pytree protocol: leaves (code, values) ---------------------------------
   def _aux(self) -> tuple[int, backend_lib.RowMoves]:
-    return self.num_rows, backend_lib.RowMoves(
-        None if self._backend is None else self._backend.row_kernels)
+    return self.num_rows, backend_lib.RowMoves(self._backend)
 
   def tree_flatten_with_keys(self):
-    key = jax.tree_util.GetAttrKey
-    return ((key('code'), self.code), (key('values'), self.values)), \
-        self._aux()
+    keys = map(jax.tree_util.GetAttrKey, ('code', 'values'))
+    return tuple(zip(keys, (self.code, self.values))), self._aux()
 
   def tree_flatten(self):
     return (self.code, self.values), self._aux()
@@ -260,7 +199,7 @@ class SparseRows(metaclass=_SparseRowsType):
   def tree_unflatten(cls, aux, children):
     # No validation: JAX rebuilds pytrees with arbitrary leaves.
     num_rows, moves = aux
-    return cls._made(None, children[0], children[1], num_rows,
+    return cls._made(id_code.RowIds(leaf=children[0]), children[1], num_rows,
                      moves.backend())
 
   num_ids = property(lambda self: int(self.values.shape[0]),
@@ -283,10 +222,7 @@ class SparseRows(metaclass=_SparseRowsType):
     Args:
       where: what this gradient is, for messages (`'parameter emb/table'`).
     """
-    _distinct.check_varying(self.code if self._ids is None else self._ids,
-                            self.values, where)
-    if self._ids is None:
-      id_code.check(self.code, self.values, self.num_rows, where)
+    self._ids.check(self.values, self.num_rows, where)
 
   def safe_ids(self, where: str = 'a SparseRows', *,
                report: bool = True) -> jax.Array:
@@ -296,16 +232,18 @@ class SparseRows(metaclass=_SparseRowsType):
       where: what this gradient is, for the message.
       report: whether damage seen under a trace stops the step when it runs
         (the checked mode, which reports it itself, passes False).
+
+    Returns:
+      An integer array `[N]`.
     """
-    if self._ids is None:
-      return id_code.safe_ids(self.code, self.values, self.num_rows, where,
-                              report)
-    keep = (self._ids >= 0) & (self._ids < self.num_rows)
-    return jnp.where(keep, self._ids,
-                     jnp.asarray(self.num_rows, self._ids.dtype))
+    return self._ids.safe_ids(self.values, self.num_rows, where, report)
 
   def to_dense(self) -> jax.Array:
-    """The dense array of shape `self.shape` and dtype `self.dtype`."""
+    """The dense array of shape `self.shape` and dtype `self.dtype`.
+
+    Returns:
+      The sum of the rows, as a dense array.
+    """
     self.check()
     dense = jnp.zeros(self.shape, self.dtype)
     return dense.at[self.safe_ids()].add(self.values, mode='drop')
@@ -316,6 +254,9 @@ class SparseRows(metaclass=_SparseRowsType):
     Args:
       array: dense array of shape `self.shape`; its other rows stay.
       where: what this update is, for messages.
+
+    Returns:
+      An array like `array`.
     """
     array = jnp.asarray(array)
     self.check(where)
@@ -326,7 +267,7 @@ class SparseRows(metaclass=_SparseRowsType):
     return row_ops.add(array, ids, self.values.astype(array.dtype),
                        self._backend)
 
-  def astype(self, dtype: Any) -> 'SparseRows':
+  def astype(self, dtype: Any) -> SparseRows:
     """The same rows with values cast to `dtype` (the ids unchanged)."""
     return self._with_values(self.values.astype(dtype))
 
@@ -344,13 +285,12 @@ class SparseRows(metaclass=_SparseRowsType):
   def __neg__(self):
     return self._with_values(-self.values)
 
-  def __radd__(self, other):
-    return self.add_to(other)
-
   def __add__(self, other):
     if isinstance(other, SparseRows):
       return SparseRows.concatenate([self, other])
     return self.add_to(other)
+
+  __radd__ = add_to
 
 
 def is_sparse_rows(x: Any) -> bool:

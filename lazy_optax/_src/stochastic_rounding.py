@@ -30,8 +30,8 @@ from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.apply import apply_updates
 from lazy_optax._src.backend import Backend
+from lazy_optax._src.distinct import deduplicate
 from lazy_optax._src.labels import path_name
-from lazy_optax._src.sparse_rows import deduplicate
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
 
@@ -154,7 +154,7 @@ def _add_rounded(path: Any, param: Any, update: Any, key: jax.Array,
       raise ValueError(
           f'Parameter {name} has shape {tuple(param.shape)} but its '
           f'SparseRows update is for shape {update.shape}.')
-    backend = update._backend  # pylint: disable=protected-access
+    backend = update.backend
     unique = deduplicate(update)  # unused slots hold id num_rows: dropped
     values = unique.values.astype(jnp.float32)
 

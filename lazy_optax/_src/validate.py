@@ -55,21 +55,50 @@ SPARSE_ROWS_CLASS_HINT = (
     'and put other transformations inside lazy_optax.lazy(...))')
 
 
-def ids_argument(ids: Any, indices: Any, values: Any, num_rows: Any,
-                 missing: Any) -> Any:
+class SparseRowsClass(type):
+  """`SparseRows`'s metaclass: a class repr with a hint, for JAX's pytree
+  structure errors to print."""
+
+  def __repr__(cls) -> str:
+    return SPARSE_ROWS_CLASS_HINT
+
+
+MISSING = object()   # an argument not given
+
+
+def sparse_rows_arguments(ids: Any, values: Any, rows: Any, indices: Any,
+                          impl: Any) -> tuple[Any, Any, int]:
+  """`SparseRows(...)`'s arguments, checked: `(ids, values, num_rows)`.
+
+  Concrete ids and values come back as arrays (the ids with all their bits:
+  checked in range before any cast).
+  """
+  ids = _ids_argument(ids, indices, values, rows)
+  rows = num_rows(rows)
+  tracer = lambda x: isinstance(x, jax.core.Tracer)
+  given, ids = ids, ids if tracer(ids) else jnp.asarray(ids)
+  values = values if tracer(values) else jnp.asarray(values)
+  index_vector(ids, 'SparseRows')
+  one_row_per_index(ids.shape[0], values, 'SparseRows')
+  if not tracer(ids):
+    indices_in_range(given, rows, 'SparseRows')
+  impl_argument(impl, 'SparseRows')
+  return ids, values, rows
+
+
+def _ids_argument(ids: Any, indices: Any, values: Any, rows: Any) -> Any:
   """`SparseRows`'s ids, given as `ids` or as the deprecated `indices`."""
-  if indices is not missing:
-    if ids is not missing:
+  if indices is not MISSING:
+    if ids is not MISSING:
       raise TypeError('SparseRows: pass the row ids once, as ids (indices '
                       'is its deprecated name).')
     warnings.warn(
         'SparseRows(indices=...) is deprecated and will be removed after '
         'lazy_optax 0.2: use SparseRows(ids=...).', DeprecationWarning,
-        stacklevel=3)
+        stacklevel=4)   # the caller of SparseRows(...)
     ids = indices
-  for name, given in (('ids', ids), ('values', values),
-                      ('num_rows', num_rows)):
-    if given is missing:
+  for name, given in (('ids', ids), ('values', values), ('num_rows', rows)):
+    if given is MISSING:
       raise TypeError(f'SparseRows() missing required argument: {name!r}.')
   return ids
 
