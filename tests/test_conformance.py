@@ -235,12 +235,14 @@ def test_each_implementation_of_16bit_tables_and_states_equals_generic(case,
 def test_duplicates_are_summed_before_the_update(case):
   table = table_for(case, seed=2, num_rows=10)
   rng = np.random.default_rng(3)
-  g = rng.normal(size=(4, D)).astype(np.float32)
-  repeated = [(np.array([3, 7, 3, 3], np.int32), g)]
-  # Rows 3 and 7 once each, padded to the repeated batch's four ids with two
-  # ids outside the table (which touch nothing): both runs share one step.
-  summed = [(np.array([3, 7, 10, -1], np.int32),
-             np.stack([g[0] + g[2] + g[3], g[1], g[1], g[0]]))]
+  g = rng.normal(size=(6, D)).astype(np.float32)
+  repeated = [(np.array([3, 7, 3, 3, 7, 3], np.int32), g)]
+  # Rows 3 and 7 once each, padded to the repeated batch's six ids with ids
+  # outside the table (which touch nothing): both runs share one step, the
+  # program of test_out_of_range_ids_under_jit_touch_nothing's first run.
+  summed = [(np.array([3, 7, 10, -1, 12, -4], np.int32),
+             np.stack([g[0] + g[2] + g[3] + g[5], g[1] + g[4], g[1], g[0],
+                       g[2], g[3]]))]
   tx = case.make()
   p_rep, s_rep = run(tx, table, repeated)
   p_sum, s_sum = run(tx, table, summed)
@@ -262,11 +264,13 @@ _OUT_OF_RANGE = [(case.name, case.make) for case in CASES] + [
 @pytest.mark.parametrize('name, make_tx', _OUT_OF_RANGE,
                          ids=[n for n, _ in _OUT_OF_RANGE])
 def test_out_of_range_ids_under_jit_touch_nothing(name, make_tx):
-  table = 0.1 * np.arange(20, dtype=np.float32).reshape(10, 2)
+  # Rows of D values, batches of six ids: the program of
+  # test_duplicates_are_summed_before_the_update's runs.
+  table = 0.1 * np.arange(10 * D, dtype=np.float32).reshape(10, D)
   # Huge values on out-of-range ids (negative ones would wrap in plain JAX
   # indexing, and would dominate a global norm); only row 3 is in range.
   ids = np.array([3, -1, 10, -10, 3, 15], np.int32)
-  values = np.full((6, 2), 1e6, np.float32)
+  values = np.full((6, D), 1e6, np.float32)
   values[[0, 4]] = 0.5
   params, state = run(make_tx(), table, [(ids, values)], jit=True)
   moved = np.flatnonzero(np.any(np.asarray(params['table']) != table, axis=1))
@@ -396,8 +400,12 @@ _DTYPE_CASES = [(case, i) for case in CASES for i in range(len(case.dtypes))]
                          ids=[f'{c.name}-{i}' for c, i in _DTYPE_CASES])
 def test_16bit_tables_and_states(case, i):
   config = case.dtypes[i]
-  table = table_for(case, seed=4)
-  data = batches(5, NUM_ROWS, (D,), steps=6, n_ids=16)
+  # Rows of shape (2, 3) and batches of 12 ids, as in the implementations'
+  # 16-bit test above: where the default implementation is one of those,
+  # XLA compiles the program once for both (the run's compilation cache).
+  table = case.table_scale * np.random.default_rng(4).normal(
+      size=(NUM_ROWS, 2, 3))
+  data = batches(5, NUM_ROWS, (2, 3), steps=6, n_ids=12)
   model = run_model(case, table, data)
   tx = case.fn(case.lr, **{**case.kwargs, **config.kwargs})
   params, state = run(tx, table, data, dtype=config.table)
@@ -490,7 +498,10 @@ def test_bfloat16_duplicates_are_summed_in_float32():
 def test_donated_step_compiles_once_and_updates_in_place(case):
   tx = case.make()
   table = table_for(case, seed=14)
-  data = batches(14, NUM_ROWS, (D,), steps=5, n_ids=12)
+  # Batches of 16 ids, as in test_rule_matches_float64_model: XLA's
+  # compilation of this very program is shared through the run's cache (the
+  # trace, which this test counts, is its own).
+  data = batches(14, NUM_ROWS, (D,), steps=5, n_ids=16)
   traces = []
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
