@@ -12,7 +12,8 @@ more `Case` (and its `impls`); this is the only registry of optimizers the
 tests keep.
 
 Shared helpers: `batches` (ids with heavy duplicates and rows that go
-absent), `run` (a jitted, donated training loop on one table), `untouched`,
+absent), `run` (a jitted, donated training loop on one table; runs of one
+optimizer object share its jitted step), `untouched`,
 `run_dense`, `run_partitioned`, `assert_checkpoint_resumes` and
 `assert_state_shardings_follow_rows`.
 """
