@@ -12,13 +12,15 @@ more `Case` (and its `impls`); this is the only registry of optimizers the
 tests keep.
 
 Shared helpers: `batches` (ids with heavy duplicates and rows that go
-absent), `run` (a jitted, donated training loop on one table), `untouched`,
+absent), `run` (a jitted, donated training loop on one table; runs of one
+optimizer object share its jitted step), `untouched`,
 `run_dense`, `run_partitioned`, `assert_checkpoint_resumes` and
 `assert_state_shardings_follow_rows`.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import os
 from typing import Any, Callable, Optional
@@ -435,13 +437,35 @@ def sparse_step(tx, num_rows):
   return step
 
 
+# The jitted, donated steps of the last few optimizers `run` trained: runs
+# of one optimizer instance share its step, so a second run with batches of
+# the shape the first had reuses the program instead of tracing it again.
+_STEPS: collections.OrderedDict = collections.OrderedDict()
+_KEPT_STEPS = 8
+
+
+def jitted_step(tx, num_rows):
+  """`sparse_step(tx, num_rows)` under `jax.jit`, donating params and state;
+  the same function for the same `tx` object (the last few are kept)."""
+  key = (id(tx), num_rows)
+  if key not in _STEPS:
+    # `tx` is kept with its step, so its id is not reused while cached.
+    _STEPS[key] = (tx, jax.jit(sparse_step(tx, num_rows),
+                               donate_argnums=(0, 1)))
+    if len(_STEPS) > _KEPT_STEPS:
+      _STEPS.popitem(last=False)
+  _STEPS.move_to_end(key)
+  return _STEPS[key][1]
+
+
 def run(tx, table, data, jit=True, dtype=jnp.float32):
   """Trains {'table': table} on `data`; returns (params, state)."""
   params = {'table': jnp.asarray(table, dtype)}
   state = tx.init(params)
-  step = sparse_step(tx, table.shape[0])
   if jit:
-    step = jax.jit(step, donate_argnums=(0, 1))
+    step = jitted_step(tx, table.shape[0])
+  else:
+    step = sparse_step(tx, table.shape[0])
   for ids, values in data:
     params, state = step(params, state, jnp.asarray(ids), jnp.asarray(values))
   return params, state

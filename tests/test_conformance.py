@@ -23,6 +23,7 @@ updates, `CASES` (one per optimizer) for the other properties:
   for all optimizers).
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -47,7 +48,6 @@ from optimizer_cases import slot
 from optimizer_cases import sparse_step
 from optimizer_cases import table_for
 from optimizer_cases import untouched
-from optimizer_cases import with_impl
 import pytest
 from sharded_checks import run_checks
 
@@ -136,13 +136,28 @@ def _assert_implementation_runs(case, tx, params, state, data, program):
 _GENERIC = {}
 
 
+def _configuration(case):
+  """The configuration's name without its implementation: `X` of `X[xla]`."""
+  return case.name[:case.name.rindex('[')]
+
+
 def _generic_run(key, make_generic, table, data, dtype=jnp.float32):
   if key not in _GENERIC:
     _GENERIC[key] = _run_compiled(make_generic(), table, data, dtype)[:2]
   return _GENERIC[key]
 
 
-@pytest.mark.parametrize('case', IMPL_CASES, ids=str)
+def _sharing_generic(cases_and_keys):
+  """Parameters (case, ...) whose tests of one configuration share its
+  'generic' run: kept on one worker (a group per configuration, of two or
+  three tests), where the run is computed once."""
+  return [pytest.param(*values, id=ident,
+                       marks=pytest.mark.xdist_group(f'generic {group}'))
+          for values, ident, group in cases_and_keys]
+
+
+@pytest.mark.parametrize('case', _sharing_generic(
+    ((case,), case.name, _configuration(case)) for case in IMPL_CASES))
 def test_each_implementation_matches_the_model_and_generic(case):
   table = table_for(case)
   data = _with_out_of_range(
@@ -158,10 +173,13 @@ def test_each_implementation_matches_the_model_and_generic(case):
   assert rows.size > 5
   np.testing.assert_array_equal(np.asarray(params['table'])[rows],
                                 table.astype(np.float32)[rows])
-  generic_case = with_impl(case, 'generic')
+  # One key for every implementation of this configuration (`X[xla]`,
+  # `X[cpu_kernel]` and `X[generic]` all compare with X's 'generic' run).
+  key = (_configuration(case),)
   if case.impl == 'generic':  # this very run is the configuration's generic
-    _GENERIC.setdefault((generic_case.name,), (params, state))
-  generic = _generic_run((generic_case.name,), generic_case.make, table, data)
+    _GENERIC.setdefault(key, (params, state))
+  generic = _generic_run(key, dataclasses.replace(case, impl='generic').make,
+                         table, data)
   for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves(generic)):
     assert (a.dtype, a.shape) == (b.dtype, b.shape)
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5,
@@ -174,8 +192,9 @@ _IMPL_DTYPE_CASES = [(case, i) for case in IMPL_CASES
                      for i in range(len(case.dtypes))]
 
 
-@pytest.mark.parametrize('case, i', _IMPL_DTYPE_CASES,
-                         ids=[f'{c.name}-{i}' for c, i in _IMPL_DTYPE_CASES])
+@pytest.mark.parametrize('case, i', _sharing_generic(
+    ((c, i), f'{c.name}-{i}', f'{_configuration(c)}-{i}')
+    for c, i in _IMPL_DTYPE_CASES))
 def test_each_implementation_of_16bit_tables_and_states_equals_generic(case,
                                                                        i):
   # Rows of shape (2, 3); float32 state of bfloat16 tables and bfloat16
@@ -194,9 +213,8 @@ def test_each_implementation_of_16bit_tables_and_states_equals_generic(case,
   params0 = {'table': jnp.asarray(table, config.table)}
   _assert_implementation_runs(case, tx, params0, tx.init(params0), data,
                               program)
-  base = case.name[:case.name.rindex('[')]
-  generic = _generic_run((base, i), lambda: make('generic'), table, data,
-                         config.table)
+  generic = _generic_run((_configuration(case), i), lambda: make('generic'),
+                         table, data, config.table)
   rows = untouched(data, NUM_ROWS)
   assert rows.size
   for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves(generic)):
@@ -217,12 +235,17 @@ def test_each_implementation_of_16bit_tables_and_states_equals_generic(case,
 def test_duplicates_are_summed_before_the_update(case):
   table = table_for(case, seed=2, num_rows=10)
   rng = np.random.default_rng(3)
-  g = rng.normal(size=(4, D)).astype(np.float32)
-  repeated = [(np.array([3, 7, 3, 3], np.int32), g)]
-  summed = [(np.array([3, 7], np.int32),
-             np.stack([g[0] + g[2] + g[3], g[1]]))]
-  p_rep, s_rep = run(case.make(), table, repeated)
-  p_sum, s_sum = run(case.make(), table, summed)
+  g = rng.normal(size=(6, D)).astype(np.float32)
+  repeated = [(np.array([3, 7, 3, 3, 7, 3], np.int32), g)]
+  # Rows 3 and 7 once each, padded to the repeated batch's six ids with ids
+  # outside the table (which touch nothing): both runs share one step, the
+  # program of test_out_of_range_ids_under_jit_touch_nothing's first run.
+  summed = [(np.array([3, 7, 10, -1, 12, -4], np.int32),
+             np.stack([g[0] + g[2] + g[3] + g[5], g[1] + g[4], g[1], g[0],
+                       g[2], g[3]]))]
+  tx = case.make()
+  p_rep, s_rep = run(tx, table, repeated)
+  p_sum, s_sum = run(tx, table, summed)
   np.testing.assert_allclose(p_rep['table'], p_sum['table'], rtol=1e-6,
                              atol=1e-7)
   for a, b in zip(jax.tree.leaves(s_rep), jax.tree.leaves(s_sum)):
@@ -241,11 +264,13 @@ _OUT_OF_RANGE = [(case.name, case.make) for case in CASES] + [
 @pytest.mark.parametrize('name, make_tx', _OUT_OF_RANGE,
                          ids=[n for n, _ in _OUT_OF_RANGE])
 def test_out_of_range_ids_under_jit_touch_nothing(name, make_tx):
-  table = 0.1 * np.arange(20, dtype=np.float32).reshape(10, 2)
+  # Rows of D values, batches of six ids: the program of
+  # test_duplicates_are_summed_before_the_update's runs.
+  table = 0.1 * np.arange(10 * D, dtype=np.float32).reshape(10, D)
   # Huge values on out-of-range ids (negative ones would wrap in plain JAX
   # indexing, and would dominate a global norm); only row 3 is in range.
   ids = np.array([3, -1, 10, -10, 3, 15], np.int32)
-  values = np.full((6, 2), 1e6, np.float32)
+  values = np.full((6, D), 1e6, np.float32)
   values[[0, 4]] = 0.5
   params, state = run(make_tx(), table, [(ids, values)], jit=True)
   moved = np.flatnonzero(np.any(np.asarray(params['table']) != table, axis=1))
@@ -278,7 +303,8 @@ def test_empty_batches_change_nothing_but_the_count(case, jit):
   rng = np.random.default_rng(12)
   data = [(np.asarray(ids, np.int32),
            rng.normal(size=(len(ids), D)).astype(np.float32))
-          for ids in ([], [4, 4, 1], [], [1, 6], [])]
+          # Both non-empty batches have three ids (one jitted program).
+          for ids in ([], [4, 4, 1], [], [6, 1, 6], [])]
   tx = case.make()
   params = {'table': jnp.asarray(table, jnp.float32)}
   state = tx.init(params)
@@ -374,8 +400,12 @@ _DTYPE_CASES = [(case, i) for case in CASES for i in range(len(case.dtypes))]
                          ids=[f'{c.name}-{i}' for c, i in _DTYPE_CASES])
 def test_16bit_tables_and_states(case, i):
   config = case.dtypes[i]
-  table = table_for(case, seed=4)
-  data = batches(5, NUM_ROWS, (D,), steps=6, n_ids=16)
+  # Rows of shape (2, 3) and batches of 12 ids, as in the implementations'
+  # 16-bit test above: where the default implementation is one of those,
+  # XLA compiles the program once for both (the run's compilation cache).
+  table = case.table_scale * np.random.default_rng(4).normal(
+      size=(NUM_ROWS, 2, 3))
+  data = batches(5, NUM_ROWS, (2, 3), steps=6, n_ids=12)
   model = run_model(case, table, data)
   tx = case.fn(case.lr, **{**case.kwargs, **config.kwargs})
   params, state = run(tx, table, data, dtype=config.table)
@@ -468,7 +498,10 @@ def test_bfloat16_duplicates_are_summed_in_float32():
 def test_donated_step_compiles_once_and_updates_in_place(case):
   tx = case.make()
   table = table_for(case, seed=14)
-  data = batches(14, NUM_ROWS, (D,), steps=5, n_ids=12)
+  # Batches of 16 ids, as in test_rule_matches_float64_model: XLA's
+  # compilation of this very program is shared through the run's cache (the
+  # trace, which this test counts, is its own).
+  data = batches(14, NUM_ROWS, (D,), steps=5, n_ids=16)
   traces = []
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
