@@ -257,13 +257,15 @@ def test_find_never_inserts_or_moves_anything():
   ids = np.array([5, 6, 7, 8] * 3, np.int64)
   _, state, _ = assign(table.init(), lazy_optax.split_ids(ids), 0)
   before = jax.tree.map(np.asarray, state)
-  slots = find(state, lazy_optax.split_ids(np.array([5, 9, 2 ** 60])))
+  # Six probes (the three twice), the shape the model test's find runs.
+  slots = find(state, lazy_optax.split_ids(np.array([5, 9, 2 ** 60] * 2)))
   assert int(slots[1]) == int(slots[2]) == table.capacity
+  np.testing.assert_array_equal(slots[:3], slots[3:])
   after = jax.tree.map(np.asarray, state)
   jax.tree.map(np.testing.assert_array_equal, before, after)
   # find is read-only even under ttl: an id past its ttl reads as absent.
   _, state, _ = assign(state, lazy_optax.split_ids(np.array([9] * 12)), 4)
-  assert int(find(state, lazy_optax.split_ids(np.array([5])))[0]) == (
+  assert int(find(state, lazy_optax.split_ids(np.array([5] * 6)))[0]) == (
       table.capacity)
 
 
@@ -315,8 +317,11 @@ def test_checked_mode_reports_a_full_table():
                              checked=True)
   step = jax.jit(lambda s, ids, k: table.assign(s, ids, step=k,
                                                 ids_are_32bit=True))
+  # Ids 0-3 fill the table; a batch of 6 (0 and 1 repeated) as below, so
+  # one program runs both calls.
   slots, state, _ = lazy_optax.checks.checked(step)(table.init(),
-                                             jnp.arange(4), 0)
+                                             jnp.asarray(np.arange(6) % 4), 0)
+  assert int(state.live) == 4
   with pytest.raises(lazy_optax.checks.CheckError, match='4 looked-up ids got no'
                      ' row') as e:
     lazy_optax.checks.checked(step)(state, jnp.arange(2, 8), 1)

@@ -286,12 +286,33 @@ def test_reset_rows_jitted_equals_eager_and_is_batch_sized():
   eager = reset(params, state, fresh)
   jitted = jax.jit(reset, donate_argnums=(0, 1))
   compiled = jitted.lower(params, state, fresh).compile()
-  out = jitted(jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, state),
-               fresh)
+  # The very program whose text is read below runs (one trace and compile).
+  out = compiled(jax.tree.map(jnp.copy, params),
+                 jax.tree.map(jnp.copy, state), fresh)
   jax.tree.map(np.testing.assert_array_equal, eager, out)
   text = compiled.as_text()
   assert 'copy(' not in ''.join(
       line for line in text.splitlines() if f'[{cap},' in line)
+
+
+# The chunked-reset test's optimizer, and its two compiled resets (the CPU's
+# skipping one, the branch-free one), shared by its cases: every share has
+# the same shapes, so one trace and compile of each per process.
+CHUNK_TX = lazy_optax.lazy_adam(0.1)
+_CHUNK_RESETS = {}
+
+
+def _chunk_reset(branch_free, params, state, fresh):
+  """(text, compiled) of `_reset` traced under `branch_free`'s version:
+  the text read is that of the very program that runs."""
+  import branch_versions
+
+  if branch_free not in _CHUNK_RESETS:
+    with branch_versions.forced(branch_free):
+      lowered = jax.jit(lambda p, s, f: reset_module._reset(
+          CHUNK_TX, INIT, p, s, {'emb': f}, KEY)).lower(params, state, fresh)
+    _CHUNK_RESETS[branch_free] = (lowered.as_text(), lowered.compile())
+  return _CHUNK_RESETS[branch_free]
 
 
 @pytest.mark.parametrize('share', [0.0, 0.3, 1.0])
@@ -300,13 +321,11 @@ def test_reset_rows_in_chunks_equals_one_branch_free_reset(share):
   those past the fresh count; GPU and TPU reset every entry at once (those
   past the count name no row). Both give the same bits, and what
   `fresh_rows` gives the fresh slots."""
-  import branch_versions
-
   cap, n = 4096, 600
   rng = np.random.default_rng(1)
   params = {'emb': jnp.asarray(rng.normal(size=(cap, 8)), jnp.float32),
             'w': jnp.ones(2)}
-  tx = lazy_optax.lazy_adam(0.1)
+  tx = CHUNK_TX
   state = jax.tree.map(lambda x: x + 1 if jnp.ndim(x) == 2 else x,
                        tx.init(params))
   chosen = rng.random(n) < share
@@ -315,11 +334,8 @@ def test_reset_rows_in_chunks_equals_one_branch_free_reset(share):
   assert reset_module._chunk_size(n) < n
   out = {}
   for branch_free in (False, True):
-    with branch_versions.forced(branch_free):
-      fn = jax.jit(lambda p, s, f: reset_module._reset(
-          tx, INIT, p, s, {'emb': f}, KEY))
-      text = fn.lower(params, state, fresh).as_text()
-      out[branch_free] = fn(params, state, fresh)
+    text, compiled = _chunk_reset(branch_free, params, state, fresh)
+    out[branch_free] = compiled(params, state, fresh)
     assert ('stablehlo.case' in text) != branch_free
   jax.tree.map(np.testing.assert_array_equal, out[False], out[True])
   new_p, new_state = out[True]
