@@ -27,11 +27,6 @@ if TYPE_CHECKING:
   from lazy_optax._src.sparse_rows import SparseRows
 
 
-def rows_nonzero(values: jax.Array) -> jax.Array:
-  """Per row, whether any entry is not zero (NaN counts as not zero)."""
-  return jnp.any(values.reshape(values.shape[0], -1) != 0, axis=1)
-
-
 def _with_out_of_range(unique_ids: jax.Array, ids: jax.Array,
                        outside: jax.Array, num_rows: int) -> jax.Array:
   """`unique_ids` whose unused slots also hold the out-of-range ids.
@@ -143,8 +138,7 @@ def _from_code(code: jax.Array, values: jax.Array, num_rows: int,
                row_kernels: bool) -> tuple[jax.Array, jax.Array]:
   """`from_code`, traced for one backend (`row_kernels`)."""
   decoded = id_code.decode(code, id_code.index_dtype(num_rows))
-  emptied = decoded.empty & rows_nonzero(values)
-  ok = jnp.all((decoded.intact | decoded.empty) & ~emptied)
+  ok = ~jnp.any(id_code.damaged(decoded, values))
   ids = jnp.where(decoded.intact, decoded.ids,
                   jnp.asarray(num_rows, decoded.ids.dtype))
   unique_ids, summed = _from_ids(ids, values, num_rows, row_kernels)
