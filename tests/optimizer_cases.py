@@ -20,8 +20,8 @@ optimizer object share its jitted step), `untouched`,
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import functools
 import os
 from typing import Any, Callable, Optional
 
@@ -437,25 +437,12 @@ def sparse_step(tx, num_rows):
   return step
 
 
-# The jitted, donated steps of the last few optimizers `run` trained: runs
-# of one optimizer instance share its step, so a second run with batches of
-# the shape the first had reuses the program instead of tracing it again.
-_STEPS: collections.OrderedDict = collections.OrderedDict()
-_KEPT_STEPS = 8
-
-
+@functools.lru_cache(maxsize=8)
 def jitted_step(tx, num_rows):
   """`sparse_step(tx, num_rows)` under `jax.jit`, donating params and state;
-  the same function for the same `tx` object (the last few are kept)."""
-  key = (id(tx), num_rows)
-  if key not in _STEPS:
-    # `tx` is kept with its step, so its id is not reused while cached.
-    _STEPS[key] = (tx, jax.jit(sparse_step(tx, num_rows),
-                               donate_argnums=(0, 1)))
-    if len(_STEPS) > _KEPT_STEPS:
-      _STEPS.popitem(last=False)
-  _STEPS.move_to_end(key)
-  return _STEPS[key][1]
+  the same function for the same `tx` (the last few are kept): a second run
+  of one optimizer with batches of one shape reuses its program."""
+  return jax.jit(sparse_step(tx, num_rows), donate_argnums=(0, 1))
 
 
 def run(tx, table, data, jit=True, dtype=jnp.float32):
