@@ -175,25 +175,31 @@ def policies(capacity: int, stream: str) -> dict[str, lazy_optax.IdTable]:
     return lazy_optax.IdTable(capacity=capacity, eviction_log=0, **kwargs)
 
   out = {
-      'default (lru, frequency)': table(),
-      'lru, frequency, narrow sketch': table(sketch_width=capacity),
-      'lru, always': table(admission='always'),
-      'lfu, frequency': table(eviction='lfu', lfu_period=500),
+      'default': table(),
+      'lru, frequency': table(eviction='lru'),
+      'lru, frequency, narrow sketch': table(eviction='lru',
+                                             sketch_width=capacity),
+      'lru, always': table(eviction='lru', admission='always'),
+      'lfu, frequency': table(eviction='lfu'),
+      'lfu, frequency, lfu_period=500': table(eviction='lfu', lfu_period=500),
       'lfu, frequency, narrow sketch': table(
           eviction='lfu', lfu_period=500, sketch_width=capacity),
       'lfu, always': table(eviction='lfu', admission='always',
                            lfu_period=500),
   }
   if stream == 'zipf':     # the notebook's tables keep ids seen once out
-    out['lru, frequency, admit_after=2'] = table(admit_after=2)
-    out['lru, always, admit_after=2'] = table(admission='always',
-                                              admit_after=2)
+    out['lru, frequency, admit_after=2'] = table(eviction='lru',
+                                                 admit_after=2)
+    out['lru, always, admit_after=2'] = table(
+        eviction='lru', admission='always', admit_after=2)
     out['lfu, always, admit_after=2'] = table(
         eviction='lfu', admission='always', admit_after=2, lfu_period=500)
   return out
 
 
-def run_stream(name: str, capacity: int, train, held) -> dict:
+def run_stream(name: str, capacity: int, train, held,
+               only: list[str] | None = None) -> dict:
+  """Trains every policy (or those named in `only`) and `id % capacity`."""
   distinct = len(np.unique(np.concatenate([ids for ids, _ in train])))
   print(f'\n{name}: {len(train)} steps of {len(train[0][0])} ids, '
         f'{distinct:,} distinct, capacity {capacity:,} '
@@ -201,6 +207,8 @@ def run_stream(name: str, capacity: int, train, held) -> dict:
   t0 = time.perf_counter()
   results = {'id % capacity': train_modulo(capacity, train, held)}
   for label, table_ids in policies(capacity, name).items():
+    if only and label not in only:
+      continue
     results[label] = train_hashed(table_ids, train, held)
   base = results['id % capacity']['loss']
   print(f'{"policy":36s} {"held-out":>9s} {"/ modulo":>9s} {"evictions":>10s}'
@@ -225,20 +233,26 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument('--seed', type=int, default=0,
                       help="the training stream's seed (held-out: fixed)")
   parser.add_argument('--quick', action='store_true')
+  parser.add_argument('--stream', choices=('catalogue', 'zipf'),
+                      action='append', help='run only this stream '
+                      '(repeatable; default: both)')
+  parser.add_argument('--policy', action='append',
+                      help='run only the policy of this label (repeatable; '
+                      'default: all)')
   args = parser.parse_args(argv)
   if args.quick:
     args.catalogue, args.universe, args.zipf_capacity = 2_000, 10 ** 5, 1_000
     args.batch, args.steps = 256, 60
   print('jax', jax.__version__, '| devices', jax.devices())
-  out = {
-      'catalogue': run_stream(
-          'catalogue', args.catalogue // 2,
-          *catalogue_stream(args.catalogue, args.batch, args.steps,
-                            args.seed)),
-      'zipf': run_stream(
-          'zipf', args.zipf_capacity,
-          *zipf_stream(args.universe, args.batch, args.steps, args.seed)),
+  streams = {
+      'catalogue': lambda: (args.catalogue // 2, *catalogue_stream(
+          args.catalogue, args.batch, args.steps, args.seed)),
+      'zipf': lambda: (args.zipf_capacity, *zipf_stream(
+          args.universe, args.batch, args.steps, args.seed)),
   }
+  out = {name: run_stream(name, *make(), only=args.policy)
+         for name, make in streams.items()
+         if not args.stream or name in args.stream}
   print(json.dumps(out))
   return out
 
