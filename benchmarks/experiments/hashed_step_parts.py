@@ -11,7 +11,8 @@ update), the whole hashed step (`assign` + `reset_rows` + the same), and
 `assign` and `reset_rows` alone (each on its own copy of the state). Times
 are `time.process_time()` (CPU time of every thread: the machine may be
 shared), medians over the timed steps. Threads: `taskset`; the XLA path
-alone (what GPU/TPU run): `LAZY_OPTAX_CPU_KERNELS=0`.
+alone (what GPU/TPU run): `LAZY_OPTAX_CPU_KERNELS=0`. The table takes
+`IdTable`'s default `eviction` unless `--eviction` names one.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.experiments.hashed_table import eviction
 from benchmarks.experiments.hashed_table import zipf_stream
 import lazy_optax
 from lazy_optax._src import cpu_kernels
@@ -37,6 +39,9 @@ def main(argv=None) -> dict:
   parser.add_argument('--universe', type=int, default=10 ** 7)
   parser.add_argument('--fill', type=int, default=2000)
   parser.add_argument('--steps', type=int, default=150)
+  parser.add_argument('--eviction', choices=('lru', 'lfu', 'none'),
+                      default=None, help="IdTable's eviction (default: "
+                      "IdTable's default)")
   args = parser.parse_args(argv)
   cap, dim = args.capacity, args.dim
   stream = zipf_stream(args.universe, args.batch, args.fill + args.steps,
@@ -45,7 +50,8 @@ def main(argv=None) -> dict:
   folded = (stream % cap).astype(np.int32)
   tx = lazy_optax.lazy_adam(1e-3)
   init, key = jax.nn.initializers.normal(0.01), jax.random.key(0)
-  table = lazy_optax.IdTable(capacity=cap, probe=16, eviction_log=0)
+  table = lazy_optax.IdTable(capacity=cap, probe=16, eviction_log=0,
+                             **eviction(args))
 
   def loss_fn(params, rows):
     return jnp.mean((lazy_optax.lookup(params['table'], rows) @ params['w']
@@ -104,6 +110,7 @@ def main(argv=None) -> dict:
   out['ratio'] = out['hashed'] / out['fixed']
   out['stats'] = table.stats(ids)
   out['kernels'] = cpu_kernels.loaded()
+  out['eviction'] = table.eviction
   print(json.dumps(out))
   return out
 

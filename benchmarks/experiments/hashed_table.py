@@ -35,7 +35,9 @@ universe of `--universe` raw ids (10**9), `--batch` ids a step (4,096):
    against threefry keys folded from each id, for `normal` and `uniform`
    rows of the whole batch.
 
-The loss is `mean((rows @ w - 1)^2)` with `w` a `[dim]` weight.
+The loss is `mean((rows @ w - 1)^2)` with `w` a `[dim]` weight. The table
+takes `IdTable`'s default `eviction` unless `--eviction` names one
+(`--eviction lru` for the default before `'lfu'`).
 """
 
 from __future__ import annotations
@@ -83,6 +85,11 @@ def _table_sized_copies(hlo: str, capacity: int) -> list[str]:
   return out
 
 
+def eviction(args: argparse.Namespace) -> dict:
+  """`IdTable`'s `eviction` argument from `--eviction` (None: its default)."""
+  return {} if args.eviction is None else {'eviction': args.eviction}
+
+
 def train_steps(args: argparse.Namespace, stream: np.ndarray) -> dict:
   """Part 1: the hashed step against the fixed-table step, interleaved."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -95,7 +102,7 @@ def train_steps(args: argparse.Namespace, stream: np.ndarray) -> dict:
   init = jax.nn.initializers.normal(0.01)
   key = jax.random.key(0)
   table_ids = lazy_optax.IdTable(capacity=cap, probe=args.probe,
-                                 eviction='lru', eviction_log=0)
+                                 eviction_log=0, **eviction(args))
 
   def loss_fn(params, rows_ids):
     rows = lazy_optax.lookup(params['table'], rows_ids)
@@ -141,7 +148,7 @@ def train_steps(args: argparse.Namespace, stream: np.ndarray) -> dict:
   # The same step for a table twice as large (compiled, not run): its
   # temporary memory must be the same, or something table-sized is in it.
   big_ids = lazy_optax.IdTable(capacity=2 * cap, probe=args.probe,
-                               eviction='lru', eviction_log=0)
+                               eviction_log=0, **eviction(args))
   big_params = {'table': jax.ShapeDtypeStruct((2 * cap, dim), jnp.float32),
                 'w': jax.ShapeDtypeStruct((dim,), jnp.float32)}
 
@@ -207,7 +214,7 @@ def assign_alone(args: argparse.Namespace, stream: np.ndarray) -> dict:
 
   cap = args.capacity
   table_ids = lazy_optax.IdTable(capacity=cap, probe=args.probe,
-                                 eviction='lru', eviction_log=0)
+                                 eviction_log=0, **eviction(args))
   assign = jax.jit(lambda s, w, step: table_ids.assign(s, w, step=step)[:2],
                    donate_argnums=0)
   find = jax.jit(table_ids.find)
@@ -305,6 +312,9 @@ def main(argv: list[str] | None = None) -> dict:
   parser.add_argument('--universe', type=int, default=10 ** 9)
   parser.add_argument('--zipf', type=float, default=1.05)
   parser.add_argument('--probe', type=int, default=16)
+  parser.add_argument('--eviction', choices=('lru', 'lfu', 'none'),
+                      default=None, help="IdTable's eviction (default: "
+                      "IdTable's default)")
   parser.add_argument('--fill-steps', type=int, default=None,
                       help='steps run before timing (default: until the '
                       'stream has filled the table)')
