@@ -51,7 +51,8 @@ def configs():
         capacity=CAP, probe=PROBE, eviction=eviction,
         admit_after=admit_after, ttl=ttl, lfu_period=2, rounds=1), False)
   out['lru-no-log'] = (lazy_optax.IdTable(capacity=CAP, probe=PROBE,
-                                          eviction_log=0, rounds=1), False)
+                                          eviction='lru', eviction_log=0,
+                                          rounds=1), False)
   for eviction in ('lru', 'lfu'):   # no sketch: admission='always'
     out[f'{eviction}-always'] = (lazy_optax.IdTable(
         capacity=CAP, probe=PROBE, eviction=eviction, admission='always',

@@ -51,7 +51,7 @@ def hash_id(raw: int, salt: int) -> int:
 class IdTableModel:
   """The policy of `lazy_optax.IdTable`, one id at a time."""
 
-  def __init__(self, capacity, probe=16, eviction='lru', admit_after=1,
+  def __init__(self, capacity, probe=16, eviction='lfu', admit_after=1,
                ttl=None, rounds=4, lfu_period=1000, sketch_depth=2,
                sketch_width=None, seed=0, admission='frequency'):
     self.c, self.p, self.eviction = capacity, probe, eviction

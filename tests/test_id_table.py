@@ -43,26 +43,29 @@ SETTINGS = settings.get_profile(f'id_table_{PROFILE}')
 
 # name -> (IdTable arguments, ids per call)
 CONFIGS = {
-    'lru': (dict(capacity=24, probe=4), 12),
+    'lru': (dict(capacity=24, probe=4, eviction='lru'), 12),
     # The sketch as narrow as the table (the default before).
-    'narrow_sketch': (dict(capacity=24, probe=4, sketch_width=24), 12),
+    'narrow_sketch': (dict(capacity=24, probe=4, eviction='lru',
+                           sketch_width=24), 12),
     'lfu': (dict(capacity=24, probe=4, eviction='lfu', lfu_period=3), 12),
     'none': (dict(capacity=20, probe=3, eviction='none'), 12),
-    'ttl': (dict(capacity=24, probe=5, ttl=3), 12),
-    'admit': (dict(capacity=24, probe=4, admit_after=2, sketch_width=16), 12),
+    'ttl': (dict(capacity=24, probe=5, eviction='lru', ttl=3), 12),
+    'admit': (dict(capacity=24, probe=4, eviction='lru', admit_after=2,
+                   sketch_width=16), 12),
     # The eviction of any live victim, without the frequency guard.
-    'lru_always': (dict(capacity=24, probe=4, admission='always'), 12),
+    'lru_always': (dict(capacity=24, probe=4, eviction='lru',
+                        admission='always'), 12),
     'lfu_always_ttl': (dict(capacity=24, probe=4, eviction='lfu',
                             admission='always', ttl=3, lfu_period=3), 12),
     # One window for all ids: claims collide, more than `few` ids are left
     # after the first round, so the later rounds take every row.
-    'crowded': (dict(capacity=16, probe=16, rounds=3), 64),
+    'crowded': (dict(capacity=16, probe=16, eviction='lru', rounds=3), 64),
     'mixed': (dict(capacity=30, probe=3, eviction='lfu', ttl=2,
                    admit_after=3, lfu_period=2, rounds=2), 12),
 }
 LOG = 4096
 # One small table and batch shape for the eager tests: one compiled assign.
-T8 = lazy_optax.IdTable(capacity=8, probe=4, eviction_log=3,
+T8 = lazy_optax.IdTable(capacity=8, probe=4, eviction='lru', eviction_log=3,
                         admission='always')
 
 
@@ -468,21 +471,28 @@ def test_the_default_keeps_recurring_ids_instead_of_thrashing():
   words = lazy_optax.split_ids(stream)
   seen, counts = np.unique(stream, return_counts=True)
   hot = seen[np.argsort(-counts, kind='stable')[:50]]   # counted in NumPy
+  default = lazy_optax.IdTable(capacity=200)
+  assert (default.eviction, default.admission) == ('lfu', 'frequency')
+  tables = {
+      'default': default,
+      'lfu_always': lazy_optax.IdTable(capacity=200, admission='always'),
+      'lru_always': lazy_optax.IdTable(capacity=200, eviction='lru',
+                                       admission='always'),
+  }
   out = {}
-  for admission in ('frequency', 'always'):
-    table = lazy_optax.IdTable(capacity=200, probe=16, admission=admission,
-                               eviction_log=0)
+  for name, table in tables.items():
     assign = jax.jit(lambda s, w, k, t=table: t.assign(s, w, step=k))
     state = table.init()
     for k in range(len(stream)):
       _, state, _ = assign(state, words[k], k)
-    out[admission] = table.stats(state)
-    out[admission]['hot'] = float(np.mean(
+    out[name] = table.stats(state)
+    out[name]['hot'] = float(np.mean(
         np.asarray(table.find(state, hot)) < 200))
-  assert lazy_optax.IdTable(capacity=32).admission == 'frequency'
-  assert out['frequency']['evictions'] * 10 < out['always']['evictions']
-  assert out['frequency']['declined'] > 0 == out['always']['declined']
-  assert out['frequency']['hot'] >= 0.9
+  for unguarded in ('lfu_always', 'lru_always'):
+    assert out['default']['evictions'] * 10 < out[unguarded]['evictions']
+    assert out[unguarded]['declined'] == 0
+  assert out['default']['declined'] > 0
+  assert out['default']['hot'] >= 0.9
 
 
 def test_the_default_sketch_is_wide_and_keeps_more_of_a_heavy_tail():
@@ -516,5 +526,16 @@ def test_a_state_with_the_narrow_sketch_of_before_is_named():
   with pytest.raises(ValueError, match=r'state\.sketch.*sketch_width=8'):
     lazy_optax.IdTable(capacity=8).assign(old, np.array([1, 2]), step=0)
   slots, _, _ = lazy_optax.IdTable(capacity=8, sketch_width=8).assign(
+      old, np.array([1, 2]), step=0)
+  assert (np.asarray(slots) < 8).all()
+
+
+def test_a_state_of_the_lru_default_of_before_is_named():
+  old = lazy_optax.IdTable(capacity=8, eviction='lru').init()
+  assert old.counts is None
+  with pytest.raises(ValueError,
+                     match=r"state\.counts is None.*pass eviction='lru'"):
+    lazy_optax.IdTable(capacity=8).assign(old, np.array([1, 2]), step=0)
+  slots, _, _ = lazy_optax.IdTable(capacity=8, eviction='lru').assign(
       old, np.array([1, 2]), step=0)
   assert (np.asarray(slots) < 8).all()

@@ -38,18 +38,20 @@ SETTINGS = settings.get_profile(
 
 # name -> (IdTable arguments, ids per call)
 CONFIGS = {
-    'lru': (dict(capacity=24, probe=4), 12),
-    'narrow_sketch': (dict(capacity=24, probe=4, sketch_width=24), 12),
+    'lru': (dict(capacity=24, probe=4, eviction='lru'), 12),
+    'narrow_sketch': (dict(capacity=24, probe=4, eviction='lru',
+                           sketch_width=24), 12),
     'lfu': (dict(capacity=24, probe=4, eviction='lfu', lfu_period=3), 12),
     'none': (dict(capacity=20, probe=3, eviction='none'), 12),
-    'admit': (dict(capacity=24, probe=4, admit_after=2, sketch_width=16,
-                   lfu_period=2), 12),
-    'lru_always': (dict(capacity=24, probe=4, admission='always',
-                        eviction_log=5), 12),
+    'admit': (dict(capacity=24, probe=4, eviction='lru', admit_after=2,
+                   sketch_width=16, lfu_period=2), 12),
+    'lru_always': (dict(capacity=24, probe=4, eviction='lru',
+                        admission='always', eviction_log=5), 12),
     'none_admit': (dict(capacity=20, probe=3, eviction='none',
                         admit_after=2, eviction_log=0), 12),
     # One window for all ids: claims collide over several rounds.
-    'crowded': (dict(capacity=16, probe=16, rounds=3, seed=7), 40),
+    'crowded': (dict(capacity=16, probe=16, eviction='lru', rounds=3,
+                     seed=7), 40),
     'lfu_rounds': (dict(capacity=30, probe=3, eviction='lfu', admit_after=3,
                         lfu_period=2, rounds=2, sketch_depth=3), 12),
 }

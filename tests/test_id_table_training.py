@@ -66,8 +66,8 @@ def test_1000_steps_equal_the_float64_model_of_policy_and_rule():
   ids, targets = _stream(steps)
   assert len(np.unique(ids)) > 3 * CAP
   # Eviction of any victim (admission='always'): many evictions and returns.
-  table_ids = lazy_optax.IdTable(capacity=CAP, probe=PROBE, eviction_log=0,
-                                 admission='always')
+  table_ids = lazy_optax.IdTable(capacity=CAP, probe=PROBE, eviction='lru',
+                                 eviction_log=0, admission='always')
   tx = lazy_optax.lazy_adam(LR)
   step = _make_step(table_ids, tx)
   params = {'emb': jnp.zeros((CAP, D), jnp.float32)}
@@ -81,7 +81,8 @@ def test_1000_steps_equal_the_float64_model_of_policy_and_rule():
       jnp.float32, 'emb'), np.float64)
   start = dict(zip(distinct.tolist(), rows0))
 
-  model = IdTableModel(capacity=CAP, probe=PROBE, admission='always')
+  model = IdTableModel(capacity=CAP, probe=PROBE, eviction='lru',
+                       admission='always')
   adam = TFLazyAdam(np.zeros((CAP, D)), lr=LR)
   words = lazy_optax.split_ids(ids)
   admitted_twice = 0
@@ -112,7 +113,8 @@ def test_1000_steps_equal_the_float64_model_of_policy_and_rule():
 
 
 def test_a_returning_evicted_id_starts_fresh():
-  table_ids = lazy_optax.IdTable(capacity=4, probe=4, admission='always')
+  table_ids = lazy_optax.IdTable(capacity=4, probe=4, eviction='lru',
+                                 admission='always')
   tx = lazy_optax.lazy_adam(0.1)
   step = _make_step(table_ids, tx)
   params = {'emb': jnp.zeros((4, D), jnp.float32)}

@@ -24,8 +24,9 @@ How `assign` places a batch (all steps batch-sized):
 4. Admitted ids claim slots in a fixed number of rounds (`rounds`). In each
    round every unplaced id picks its best slot among those of its window not
    seen at this step: free slots (empty, or expired under `ttl`) first, then
-   the policy's victim (`'lru'`: the least recently seen; `'lfu'`: the
-   lowest decayed count, then the least recently seen; `'none'`: no victim).
+   the policy's victim (`'lfu'`, the default: the lowest decayed count,
+   then the least recently seen; `'lru'`: the least recently seen; `'none'`:
+   no victim).
    Ties go to the earlier slot of the window. Under `admission='frequency'`
    (the default) an id takes a victim's slot only when the sketch counts it
    more often than the victim (TinyLFU); else it is declined: no row at this
@@ -218,9 +219,11 @@ class IdTable:
     probe: the probe window's size (slots an id may live in), in
       `[1, min(capacity, 4096)]`; None (the default) means
       `min(16, capacity)`.
-    eviction: `'lru'` (the least recently seen id of the window gives way),
-      `'lfu'` (the lowest count, halved every `lfu_period` steps, then the
-      least recently seen), or `'none'` (a full window rejects the new id).
+    eviction: `'lfu'` (the default: the lowest count, halved every
+      `lfu_period` steps, then the least recently seen id of the window
+      gives way), `'lru'` (the least recently seen; the default before,
+      still one argument away: `eviction='lru'`), or `'none'` (a full
+      window rejects the new id).
     admission: `'frequency'` (a new id takes the victim's slot only when
       the count-min sketch has seen it more often than the victim, counts
       halved every `lfu_period` steps: ids that keep coming back are not
@@ -265,7 +268,7 @@ class IdTable:
 
   capacity: int
   probe: Optional[int] = None
-  eviction: str = 'lru'
+  eviction: str = 'lfu'
   admit_after: int = 1
   ttl: Optional[int] = None
   rounds: int = 4
@@ -429,6 +432,9 @@ class IdTable:
         hint = (' (zero-size arrays stood for unused parts before; they are '
                 'None now)' if want is None
                 and 0 in tuple(getattr(got, 'shape', ())) else '')
+        if name == 'counts' and got is None:
+          hint = (" (the default eviction was 'lru' before 'lfu': pass "
+                  "eviction='lru' for a state made with that default)")
         raise ValueError(
             f'{where}: state.{name} is '
             f'{"None" if got is None else "an array"}, but this IdTable '
