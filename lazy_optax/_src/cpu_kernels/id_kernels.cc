@@ -153,6 +153,10 @@ class Assigner {
         __builtin_prefetch(s_.ids + 2 * (ahead + c_.probe) - 1);
         __builtin_prefetch(s_.last_seen + ahead);
         __builtin_prefetch(s_.last_seen + ahead + c_.probe - 1);
+        if (c_.eviction == kLfu) {  // read by a hit and by Pick
+          __builtin_prefetch(s_.counts + ahead);
+          __builtin_prefetch(s_.counts + ahead + c_.probe - 1);
+        }
       }
       Position& q = p_[i];
       const uint32_t* w = w_ + 2 * i;
