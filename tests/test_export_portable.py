@@ -257,9 +257,9 @@ def _bag_step():
   return train_step, args
 
 
-def _hashed_step(batch=BATCH):
+def _hashed_step(batch=BATCH, eviction='lfu'):
   """docs/hashed_ids.md's step: assign + reset_rows + lookup + update."""
-  table_ids = lazy_optax.IdTable(capacity=NUM_ROWS, probe=8, eviction='lru')
+  table_ids = lazy_optax.IdTable(capacity=NUM_ROWS, probe=8, eviction=eviction)
   tx = lazy_optax.lazy_adam(1e-2)
   init = jax.nn.initializers.normal(0.01)
   key = jax.random.key(0)
@@ -295,8 +295,10 @@ STEPS: dict[str, Callable[[], tuple[Callable[..., Any], tuple]]] = {
     'ftrl': lambda: _plain_step(lazy_optax.ftrl(0.1, l1=0.01)),
     'lazy(optax.adam)': lambda: _plain_step(lazy_optax.lazy(optax.adam(0.05))),
     'hashed step (lazy_adam)': _hashed_step,
-    # Past 256 ids the CPU resets fresh rows in chunks.
-    'hashed step, 1024 ids': functools.partial(_hashed_step, 1024),
+    # Past 256 ids the CPU resets fresh rows in chunks; the eviction of
+    # the default before.
+    'hashed step, 1024 ids, lru': functools.partial(_hashed_step, 1024,
+                                                    'lru'),
     'bag step (lazy_adam)': _bag_step,
 }
 
