@@ -1,8 +1,10 @@
 """The CPU kernels are a visible, safe choice: where they come from, and never
 a file that cannot be trusted, a crash, or a build inside a trace.
 
-Each case runs in a fresh Python process (the kernels load once per process)
-with its own cache folder. The library is compiled for real once for the
+Each case runs in a fresh process (the kernels load once per process) with
+its own cache folder: a forked child of one process that imported jax and
+lazy_optax and loaded no kernels (tests/fork_server.py), in the state of a
+new `python -c`. The library is compiled for real once for the
 module, by three processes starting together on an empty cache (one builds,
 the others wait and load it); a case that needs a cache already holding it
 gets a copy. Where a case makes the package build again (a damaged or
@@ -20,6 +22,7 @@ import subprocess
 import sys
 import textwrap
 
+import fork_server
 import pytest
 
 from lazy_optax._src.cpu_kernels import build
@@ -101,13 +104,28 @@ _QUICK_CXX: dict = {}
 pytestmark = pytest.mark.xdist_group('kernel_cache')
 
 
-def _run(code, cache, **env):
-  environ = dict(os.environ, LAZY_OPTAX_CACHE=str(cache), JAX_PLATFORMS='cpu',
-                 **_QUICK_CXX)
+# The modules a case's process starts with: not orbax, whose import adds a
+# handler to the root logger (a case's logging.basicConfig would do nothing).
+_PRELOADED = ('numpy', 'jax', 'jax.numpy', 'optax', 'lazy_optax')
+
+
+def _scripts(code, cache, count, env):
+  """`code` run by `count` fresh processes at once on `cache`.
+
+  Each is a forked child of a process that imported jax and lazy_optax but
+  loaded no kernels (tests/fork_server.py), as a new `python -c code` is:
+  the variables below are set before lazy_optax reads them (when the
+  kernels are first looked for, never at import).
+  """
+  environ = dict(LAZY_OPTAX_CACHE=str(cache), **_QUICK_CXX)
   environ.update(env)
-  return subprocess.run([sys.executable, '-c', code], env=environ,
-                        capture_output=True, text=True, timeout=600,
-                        check=False)
+  return fork_server.run_scripts(code, environ, count,
+                                 preloaded=_PRELOADED)
+
+
+def _run(code, cache, **env):
+  (done,) = _scripts(code, cache, 1, env)
+  return done
 
 
 def _status(done):
@@ -120,13 +138,7 @@ def _status(done):
 
 def _start_together(cache, n, **env):
   """Starts `n` processes on `cache` at once; their outputs."""
-  environ = dict(os.environ, LAZY_OPTAX_CACHE=str(cache), JAX_PLATFORMS='cpu',
-                 **_QUICK_CXX)
-  environ.update(env)
-  procs = [subprocess.Popen([sys.executable, '-c', _STATUS], env=environ,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for _ in range(n)]
-  return [p.communicate(timeout=600)[0] for p in procs]
+  return [done.stdout for done in _scripts(_STATUS, cache, n, env)]
 
 
 @pytest.fixture(scope='module')
