@@ -17,7 +17,7 @@ child and returns what it returned, through JSON (tuples come back as
 lists); with `with_stdout=True`, also what it printed. A check that raises
 fails the test that sent it, with the check's traceback.
 
-    runs = fork_server.run_scripts(code, {'CXX': '/bin/false'}, count=3)
+    runs = fork_server.run_scripts([code] * 3, {'CXX': '/bin/false'})
 
 runs the Python source `code` in 3 such processes at once, with those
 variables added to the environment, as `python -c code` would (their
@@ -163,20 +163,19 @@ class Script(NamedTuple):
   stderr: str
 
 
-def run_scripts(code, env, count=1, *, devices=1, preloaded=PRELOADED):
-  """Runs the source `code` in `count` fresh processes at once.
+def run_scripts(codes, env, *, devices=1, preloaded=PRELOADED):
+  """Runs each Python source of `codes` in a fresh process, all at once.
 
   Args:
-    code: Python source, run as `python -c code` runs it.
-    env: variables added to (or replacing in) the environment of the run.
-    count: how many processes run it, started together.
+    codes: Python sources, each run as `python -c code` runs it.
+    env: variables added to (or replacing in) the environment of the runs.
     devices: the number of CPU devices of those processes.
     preloaded: the modules imported before forking.
 
   Returns:
-    One `Script` per process.
+    One `Script` per source.
   """
-  runs = call('fork_server', '_scripts', code, env, count, devices=devices,
+  runs = call('fork_server', '_scripts', list(codes), env, devices=devices,
               preloaded=preloaded)
   return [Script(*run) for run in runs]
 
@@ -204,11 +203,11 @@ def _script(code, env, out, err):
   return code_of_exit
 
 
-def _scripts(code, env, count):
-  """`count` forked processes running `code` at once: [code, out, err]."""
+def _scripts(codes, env):
+  """A forked process per code, all at once: [[exit code, out, err]...]."""
   with tempfile.TemporaryDirectory() as folder:
     paths, pids = [], []
-    for i in range(count):
+    for i, code in enumerate(codes):
       out, err = (os.path.join(folder, f'{i}.{x}') for x in ('out', 'err'))
       for path in (out, err):
         open(path, 'w').close()  # pylint: disable=consider-using-with

@@ -127,7 +127,7 @@ def _scripts(code, cache, count, env):
   """
   environ = dict(LAZY_OPTAX_CACHE=str(cache), **_QUICK_CXX)
   environ.update(env)
-  return fork_server.run_scripts(code, environ, count,
+  return fork_server.run_scripts([code] * count, environ,
                                  preloaded=_PRELOADED)
 
 
