@@ -11,6 +11,7 @@ a live test has FBGEMM make a fresh case first (`make_live`, skipped by
 
 import collections
 import importlib.util
+import json
 import os
 import pathlib
 import subprocess
@@ -41,15 +42,53 @@ def load(name: str) -> Any:
   return np.load(DATA / name)
 
 
+# The live cases' maker arguments (`live_case`), made all at once by one
+# run of FBGEMM's interpreter (importing torch and FBGEMM is most of a run's
+# cost) the first time a test of this process asks for one.
+_LIVE_CASES: list[tuple[str, ...]] = []
+_LIVE_MADE: dict[tuple[str, ...], str] = {}
+# Under FBGEMM's interpreter: the maker's `main` once per case, as if each
+# were its own command line (argv[1]: the maker; argv[2]: [[out, args]...]).
+_LIVE_DRIVER = """
+import importlib.util, json, sys
+spec = importlib.util.spec_from_file_location('maker', sys.argv[1])
+maker = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(maker)
+for out, args in json.loads(sys.argv[2]):
+  sys.argv = [spec.origin, '--out', out, *args]
+  maker.main()
+"""
+
+
+def live_case(*args: str) -> tuple[str, ...]:
+  """Declares a live case (the maker's arguments); returns them.
+
+  Called at import by the test modules, so that the first `make_live` of a
+  process makes every declared case in one run of FBGEMM's interpreter.
+  """
+  if args not in _LIVE_CASES:
+    _LIVE_CASES.append(args)
+  return args
+
+
 def make_live(tmp_path: pathlib.Path, *args: str) -> Any:
-  """Runs the maker under FBGEMM's interpreter with `args`; its output."""
-  out = tmp_path / 'live.npz'
-  proc = subprocess.run(
-      [FBGEMM_PYTHON, str(MAKER), '--out', str(out), *args],
-      capture_output=True, text=True, timeout=600, check=False,
-      env=dict(os.environ, PYTHONPATH=''))
-  assert proc.returncode == 0, proc.stderr[-2000:]
-  return np.load(out)
+  """Runs the maker under FBGEMM's interpreter with `args`; its output.
+
+  Cases declared by `live_case` (and `args`) are made once per process,
+  together, in a folder of the first caller's `tmp_path`.
+  """
+  if args not in _LIVE_MADE:
+    todo = [a for a in _LIVE_CASES + [args] if a not in _LIVE_MADE]
+    todo = list(dict.fromkeys(todo))
+    jobs = [(str(tmp_path / f'live{len(_LIVE_MADE) + i}.npz'), list(a))
+            for i, a in enumerate(todo)]
+    proc = subprocess.run(
+        [FBGEMM_PYTHON, '-c', _LIVE_DRIVER, str(MAKER), json.dumps(jobs)],
+        capture_output=True, text=True, timeout=600, check=False,
+        env=dict(os.environ, PYTHONPATH=''))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    _LIVE_MADE.update((a, out) for a, (out, _) in zip(todo, jobs))
+  return np.load(_LIVE_MADE[args])
 
 
 def maker_module() -> Any:

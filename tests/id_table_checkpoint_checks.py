@@ -137,12 +137,15 @@ def _check(root, name, table, sharded, state):
   return table.stats(state)
 
 
-def main():
-  mode, root = sys.argv[1], sys.argv[2]
+def run(mode, root):
+  """Saves (`mode` 'save') or restores every configuration under `root`."""
   assert len(jax.devices()) == 8, jax.devices()
   jnp.zeros(())  # the backend, before orbax
-  out = _save(root) if mode == 'save' else _restore(root)
-  print(json.dumps(out))
+  return _save(root) if mode == 'save' else _restore(root)
+
+
+def main():
+  print(json.dumps(run(sys.argv[1], sys.argv[2])))
 
 
 if __name__ == '__main__':

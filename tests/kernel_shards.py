@@ -6,6 +6,8 @@
         optimizer's row update runs as the kernel on each device's own rows
         (inside jax.shard_map) and equals the same step on one device.
     python3 tests/kernel_shards.py process PROCESS_ID PORT
+        (or `process_main(PROCESS_ID, PORT)` in a 2-device process of
+        tests/fork_server.py)
         one of 2 processes x 2 CPU devices (gloo collectives on localhost)
         running docs/scaling.md's train step as written, through the kernel.
 
@@ -174,11 +176,17 @@ def mesh_checks():
   lookup_check()
 
 
+def process_main(process_id, port):
+  """Process `process_id` of 2 (2 devices each), coordinated on `port`."""
+  jax.config.update('jax_cpu_collectives_implementation', 'gloo')
+  jax.distributed.initialize(f'127.0.0.1:{port}', num_processes=2,
+                             process_id=process_id)
+  process_check()
+  jax.distributed.shutdown()  # as at exit, for a forked process too
+
+
 if __name__ == '__main__':
   if sys.argv[1] == 'mesh':
     mesh_checks()
   else:
-    jax.config.update('jax_cpu_collectives_implementation', 'gloo')
-    jax.distributed.initialize(f'127.0.0.1:{sys.argv[3]}', num_processes=2,
-                               process_id=int(sys.argv[2]))
-    process_check()
+    process_main(int(sys.argv[2]), sys.argv[3])

@@ -3,6 +3,7 @@
 import pathlib
 
 import nbformat
+import notebook_kernels
 import pytest
 from nbclient import NotebookClient
 
@@ -27,11 +28,16 @@ def test_saved_notebook_carries_its_outputs(path):
 
 
 @pytest.mark.parametrize('path', NOTEBOOKS, ids=lambda p: p.stem)
-def test_notebook_runs_at_small_sizes(path, monkeypatch):
+def test_notebook_runs_at_small_sizes(path, monkeypatch, tmp_path_factory):
   monkeypatch.setenv('LAZY_OPTAX_COLAB_SMALL', '1')
   monkeypatch.setenv('JAX_PLATFORMS', 'cpu')
+  # A kernel of its own: IPython's, in a fresh process forked from one that
+  # imported jax and lazy_optax (tests/notebook_kernels.py).
+  kernel, jupyter_path = notebook_kernels.start(
+      tmp_path_factory.getbasetemp())
+  monkeypatch.setenv('JUPYTER_PATH', jupyter_path)
   nb = nbformat.read(path, as_version=4)
-  NotebookClient(nb, timeout=300, kernel_name='python3',
+  NotebookClient(nb, timeout=300, kernel_name=kernel,
                  resources={'metadata': {'path': str(ROOT)}}).execute()
   outputs = [o for c in nb.cells if c.cell_type == 'code' for o in c.outputs]
   assert not [o for o in outputs if o.output_type == 'error']

@@ -106,10 +106,14 @@ def test_rowwise_adagrad_with_counter_matches_fbgemm_fixture(name):
   print(name, _compare(data, name, _configs()[name]))
 
 
+LIVE = fbgemm_replay.live_case(
+    '--counter', '--seed', '5', '--rows', '96', '--row', '8', '--ids', '40',
+    '--steps', '40', '--learning-rate', '0.03')
+
+
 @fbgemm_replay.live
+@pytest.mark.xdist_group('fbgemm_live')   # one FBGEMM run makes every case
 def test_rowwise_adagrad_with_counter_matches_live_fbgemm(tmp_path):
-  data = fbgemm_replay.make_live(
-      tmp_path, '--counter', '--seed', '5', '--rows', '96', '--row', '8',
-      '--ids', '40', '--steps', '40', '--learning-rate', '0.03')
+  data = fbgemm_replay.make_live(tmp_path, *LIVE)
   errors = {name: _compare(data, name, kw) for name, kw in _configs().items()}
   print(errors)

@@ -107,11 +107,15 @@ def test_rowwise_adagrad_matches_fbgemm_fixture(jit):
   _compare(fbgemm_replay.load(FIXTURE), jit)
 
 
+LIVE = fbgemm_replay.live_case(
+    '--seed', '7', '--rows', '400', '--row', '16', '--ids', '256', '--steps',
+    '8', '--learning-rate', '0.02')
+
+
 @fbgemm_replay.live
+@pytest.mark.xdist_group('fbgemm_live')   # one FBGEMM run makes every case
 def test_rowwise_adagrad_matches_live_fbgemm(tmp_path):
-  _compare(fbgemm_replay.make_live(
-      tmp_path, '--seed', '7', '--rows', '400', '--row', '16', '--ids', '256',
-      '--steps', '8', '--learning-rate', '0.02'), jit=True)
+  _compare(fbgemm_replay.make_live(tmp_path, *LIVE), jit=True)
 
 
 # -- ROWWISE_RMSPROP_AR --------------------------------------------------------
@@ -211,10 +215,13 @@ def test_rowwise_rmsprop_ar_matches_fbgemm_fixture(jit, impl):
   _ar_compare(fbgemm_replay.load(AR_FIXTURE), jit, impl)
 
 
+AR_LIVE = fbgemm_replay.live_case(
+    '--rowwise-rmsprop-ar', '--seed', '7', '--rows', '400', '--row', '16',
+    '--ids', '256', '--steps', '60', '--learning-rate', '0.02', '--ar-alpha',
+    '1.5', '--ema-beta', '0.99', '--min-shrinkage', '0.2')
+
+
 @fbgemm_replay.live
+@pytest.mark.xdist_group('fbgemm_live')   # one FBGEMM run makes every case
 def test_rowwise_rmsprop_ar_matches_live_fbgemm(tmp_path):
-  _ar_compare(fbgemm_replay.make_live(
-      tmp_path, '--rowwise-rmsprop-ar', '--seed', '7', '--rows', '400',
-      '--row', '16', '--ids', '256', '--steps', '60', '--learning-rate',
-      '0.02', '--ar-alpha', '1.5', '--ema-beta', '0.99', '--min-shrinkage',
-      '0.2'), jit=True)
+  _ar_compare(fbgemm_replay.make_live(tmp_path, *AR_LIVE), jit=True)

@@ -1,7 +1,8 @@
 """Every IdTable configuration checkpoints: orbax save, restore elsewhere.
 
-One child process (8 simulated CPU devices) saves every configuration's
-state after a few steps, and a second, new one restores them all (one of
+One fresh process (8 simulated CPU devices, a forked child of the 8-device
+process of tests/eight_devices.py) saves every configuration's state after
+a few steps, and a second, new one restores them all (one of
 them sharded over the 8 devices), checking each leaf bit for bit against
 what the first wrote, and the shardings: see
 `id_table_checkpoint_checks.py`. Two processes for all configurations keep
@@ -9,16 +10,13 @@ the run short; each configuration is then its own test case.
 """
 
 import functools
-import json
 import os
-import subprocess
 import sys
 
 import pytest
 
-SCRIPT = os.path.join(os.path.dirname(__file__),
-                      'id_table_checkpoint_checks.py')
 sys.path.insert(0, os.path.dirname(__file__))
+import eight_devices  # pylint: disable=g-import-not-at-top,wrong-import-position # noqa: E402
 import id_table_checkpoint_checks  # pylint: disable=g-import-not-at-top,wrong-import-position # noqa: E402
 
 NAMES = sorted(id_table_checkpoint_checks.configs())
@@ -28,14 +26,9 @@ pytestmark = pytest.mark.xdist_group('id_table_checkpoint')
 
 
 def _child(mode, root):
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '')
-                      + ' --xla_force_host_platform_device_count=8')
-  env.pop('JAX_ENABLE_X64', None)
-  proc = subprocess.run([sys.executable, SCRIPT, mode, root], env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  # A fresh process of 8 devices: a forked child of the 8-device process
+  # (tests/eight_devices.py), the save's and the restore's each their own.
+  return eight_devices.call('id_table_checkpoint_checks', 'run', mode, root)
 
 
 @functools.cache

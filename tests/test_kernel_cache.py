@@ -1,11 +1,14 @@
 """The CPU kernels are a visible, safe choice: where they come from, and never
 a file that cannot be trusted, a crash, or a build inside a trace.
 
-Each case runs in a fresh Python process (the kernels load once per process)
-with its own cache folder. The library is compiled for real once for the
-module, by three processes starting together on an empty cache (one builds,
-the others wait and load it); a case that needs a cache already holding it
-gets a copy. Where a case makes the package build again (a damaged or
+Each case runs in a fresh process (the kernels load once per process) with
+its own cache folder: a forked child of one process that imported jax and
+lazy_optax and loaded no kernels (tests/fork_server.py), in the state of a
+new `python -c`. The library is built once for the module, by three
+processes starting together on an empty cache (one builds, the others wait
+and load it; the compiler hands out the library this run already built,
+if any, see `started_together`); a case that needs a cache already holding
+it gets a copy. Where a case makes the package build again (a damaged or
 untrusted library, an unusable folder), the package runs its whole build
 (the compiler command, the temporary file, the checksum, the rename, the
 load), but `$CXX` is a compiler cache: the same command line on the same
@@ -20,6 +23,7 @@ import subprocess
 import sys
 import textwrap
 
+import fork_server
 import pytest
 
 from lazy_optax._src.cpu_kernels import build
@@ -43,7 +47,9 @@ _COMPILER_CACHE = textwrap.dedent('''\
     A command that writes a file (-o) is keyed by its arguments, less the
     output's name, and the bytes of every argument that is a file (the
     sources); a command seen before copies the file it wrote then. With
-    LAZY_OPTAX_TEST_CXX_FRESH=1 it always compiles (and records the result).
+    LAZY_OPTAX_TEST_CXX_FRESH=1 it always compiles (and records the result),
+    unless LAZY_OPTAX_TEST_CXX_SEED names the library this very command
+    already wrote (the package's own build, at its own -O3): it copies that.
     """
     import fcntl, hashlib, os, shutil, subprocess, sys
     REAL, STORE = {real!r}, {store!r}
@@ -66,7 +72,12 @@ _COMPILER_CACHE = textwrap.dedent('''\
           and os.environ.get('LAZY_OPTAX_TEST_CXX_FRESH') != '1'):
         shutil.copyfile(kept, out)
         sys.exit(0)
-      code = subprocess.run([REAL, *args, '-O0']).returncode
+      seed = os.environ.get('LAZY_OPTAX_TEST_CXX_SEED')
+      if seed:
+        shutil.copyfile(seed, out)
+        code = 0
+      else:
+        code = subprocess.run([REAL, *args, '-O0']).returncode
       if code == 0:
         shutil.copyfile(out, kept)
     sys.exit(code)
@@ -101,13 +112,28 @@ _QUICK_CXX: dict = {}
 pytestmark = pytest.mark.xdist_group('kernel_cache')
 
 
-def _run(code, cache, **env):
-  environ = dict(os.environ, LAZY_OPTAX_CACHE=str(cache), JAX_PLATFORMS='cpu',
-                 **_QUICK_CXX)
+# The modules a case's process starts with: not orbax, whose import adds a
+# handler to the root logger (a case's logging.basicConfig would do nothing).
+_PRELOADED = ('numpy', 'jax', 'jax.numpy', 'optax', 'lazy_optax')
+
+
+def _scripts(code, cache, count, env):
+  """`code` run by `count` fresh processes at once on `cache`.
+
+  Each is a forked child of a process that imported jax and lazy_optax but
+  loaded no kernels (tests/fork_server.py), as a new `python -c code` is:
+  the variables below are set before lazy_optax reads them (when the
+  kernels are first looked for, never at import).
+  """
+  environ = dict(LAZY_OPTAX_CACHE=str(cache), **_QUICK_CXX)
   environ.update(env)
-  return subprocess.run([sys.executable, '-c', code], env=environ,
-                        capture_output=True, text=True, timeout=600,
-                        check=False)
+  return fork_server.run_scripts([code] * count, environ,
+                                 preloaded=_PRELOADED)
+
+
+def _run(code, cache, **env):
+  (done,) = _scripts(code, cache, 1, env)
+  return done
 
 
 def _status(done):
@@ -120,26 +146,30 @@ def _status(done):
 
 def _start_together(cache, n, **env):
   """Starts `n` processes on `cache` at once; their outputs."""
-  environ = dict(os.environ, LAZY_OPTAX_CACHE=str(cache), JAX_PLATFORMS='cpu',
-                 **_QUICK_CXX)
-  environ.update(env)
-  procs = [subprocess.Popen([sys.executable, '-c', _STATUS], env=environ,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True) for _ in range(n)]
-  return [p.communicate(timeout=600)[0] for p in procs]
+  return [done.stdout for done in _scripts(_STATUS, cache, n, env)]
 
 
 @pytest.fixture(scope='module')
 def started_together(tmp_path_factory):
   """Three processes starting together on an empty cache folder.
 
-  The only real compilation of the module (the compiler cache is bypassed):
-  the library that the other cases copy, or that the compiler cache hands
-  out where they make the package build it again.
+  The only build of the module that reaches the compiler (the compiler
+  cache is bypassed): the library that the other cases copy, or that the
+  compiler cache hands out where they make the package build it again.
+  Where this run's kernels are already built (the kernel cache of the
+  pytest process holds a verified library: the package compiled this very
+  command there, at -O3), the compiler hands out that library instead of
+  compiling the same sources again; the package's build around it (lock,
+  temporary file, checksum, rename, load) runs all the same.
   """
   cache = tmp_path_factory.mktemp('kernel_cache')
   os.chmod(cache, 0o700)
-  return cache, _start_together(cache, 3, LAZY_OPTAX_TEST_CXX_FRESH='1')
+  seed = {}
+  found = build.find(build=False)   # looks, never builds
+  if found.origin == 'cache':
+    seed['LAZY_OPTAX_TEST_CXX_SEED'] = found.path
+  return cache, _start_together(cache, 3, LAZY_OPTAX_TEST_CXX_FRESH='1',
+                                **seed)
 
 
 @pytest.fixture(scope='module')

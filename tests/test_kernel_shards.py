@@ -2,23 +2,17 @@
 
 The checks live in kernel_shards.py and run in other processes, since the
 device count must be set before JAX starts: the 8-device process of
-tests/eight_devices.py, and two processes of 2 devices each.
+tests/eight_devices.py, and two processes of 2 devices each (forked children
+of the 2-device process of tests/fork_server.py).
 """
 
-import os
 import socket
-import subprocess
-import sys
 
 import eight_devices
+import fork_server
 
-_SCRIPT = os.path.join(os.path.dirname(__file__), 'kernel_shards.py')
-
-
-def _env():
-  env = dict(os.environ, JAX_PLATFORMS='cpu')
-  env.pop('XLA_FLAGS', None)
-  return env
+# What the two processes start with (they need neither orbax nor more).
+_PRELOADED = ('numpy', 'jax', 'jax.numpy', 'optax', 'lazy_optax')
 
 
 def test_each_device_updates_its_rows_with_the_kernel_equal_to_one_device():
@@ -37,15 +31,15 @@ def _free_port():
 
 
 def test_two_processes_run_the_documented_multi_host_step_with_the_kernel():
-  port = str(_free_port())
-  procs = [subprocess.Popen([sys.executable, _SCRIPT, 'process', str(i),
-                             port], env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-           for i in range(2)]
-  outs = [p.communicate(timeout=900) for p in procs]
-  for p, (out, err) in zip(procs, outs):
-    assert p.returncode == 0, err[-4000:]
-  ok = sorted(line for out, _ in outs for line in out.splitlines()
+  # Two fresh processes of 2 devices each, started together: forked
+  # children of a process that imported jax and lazy_optax once.
+  port = _free_port()
+  runs = fork_server.run_scripts(
+      [f'import kernel_shards\nkernel_shards.process_main({i}, {port})'
+       for i in range(2)], {}, devices=2, preloaded=_PRELOADED)
+  for run in runs:
+    assert run.returncode == 0, run.stderr[-4000:]
+  ok = sorted(line for run in runs for line in run.stdout.splitlines()
               if line.startswith('OK'))
   assert ok == ['OK process 0 of 2 devices 4 cpu_kernel',
-                'OK process 1 of 2 devices 4 cpu_kernel'], outs
+                'OK process 1 of 2 devices 4 cpu_kernel'], runs
