@@ -511,10 +511,18 @@ def assert_checkpoint_resumes(tx, data, tmp_path, num_rows=40, d=3):
   targets, finishes: bit-for-bit equal to the uninterrupted run."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
 
+  # Params and state placed on the device, as the restored ones are: every
+  # run passes the step the same placements (one program, compiled once).
+  device = jax.devices()[0]
+
   def fresh():
     rng = np.random.default_rng(0)
-    return {'table': jnp.asarray(rng.normal(size=(num_rows, d)), jnp.float32),
-            'bias': jnp.asarray(rng.normal(size=(d,)), jnp.float32)}
+    return jax.device_put(
+        {'table': np.asarray(rng.normal(size=(num_rows, d)), np.float32),
+         'bias': np.asarray(rng.normal(size=(d,)), np.float32)}, device)
+
+  def init(params):
+    return jax.device_put(tx.init(params), device)
 
   def step(params, state, ids, values):
     grads = {'table': lazy_optax.SparseRows(ids, values, num_rows),
@@ -530,10 +538,10 @@ def assert_checkpoint_resumes(tx, data, tmp_path, num_rows=40, d=3):
     return params, state
 
   params = fresh()
-  straight = go(params, tx.init(params), data)
+  straight = go(params, init(params), data)
   half = len(data) // 2
   params = fresh()
-  params, state = go(params, tx.init(params), data[:half])
+  params, state = go(params, init(params), data[:half])
   path = os.path.join(tmp_path, 'ckpt')
   with ocp.StandardCheckpointer() as ckptr:
     ckptr.save(path, {'params': params, 'opt_state': state})

@@ -117,7 +117,9 @@ def _one_device_run(case, table, data):
   dev0 = jax.devices()[0]
   params1 = jax.device_put({'table': table, 'w': np.zeros(D, np.float32)},
                            dev0)
-  state1 = tx.init(params1)
+  # The state on that device too, as the step's outputs are: every step
+  # sees the same placements (one program, compiled once).
+  state1 = jax.device_put(tx.init(params1), dev0)
   step1 = jax.jit(train_step(tx, NUM_ROWS))
   for ids, values in data:
     params1, state1 = step1(params1, state1, jax.device_put(ids, dev0),
