@@ -111,6 +111,10 @@ def _watch(pid):
 
 def _kernel(request):
   """In the forked child: IPython's kernel, as ipykernel_launcher runs it."""
+  # A session of its own, as Jupyter starts a kernel: ipykernel interrupts
+  # by signalling its process group, which would otherwise be the pytest
+  # process's own (the server's).
+  os.setsid()
   os.chdir(request['cwd'])
   os.environ.clear()
   os.environ.update(request['env'])
