@@ -25,16 +25,21 @@ V, D = 10, 2
 DAMAGED = r'row ids of parameter t were changed by arithmetic'
 
 
+# Test data made in numpy and put on the device (eager jnp operations, and
+# jnp.asarray itself, each compile a program per shape).
 def _params():
-  return {'t': jnp.arange(V * D, dtype=jnp.float32).reshape(V, D) / 10,
-          'w': jnp.ones((D,), jnp.float32)}
+  t = np.arange(V * D, dtype=np.float32).reshape(V, D) / np.float32(10)
+  return {'t': jax.device_put(t),
+          'w': jax.device_put(np.ones((D,), np.float32))}
 
 
 def _grads(ids, scale=1.0):
-  ids = jnp.asarray(ids, jnp.int32)
-  values = scale * (1.0 + jnp.arange(ids.shape[0] * D, dtype=jnp.float32)
-                    ).reshape(-1, D)
-  return {'t': SparseRows(ids, values, V), 'w': jnp.full((D,), 0.5)}
+  if not isinstance(ids, jax.Array):   # a list; traced ids stay as they are
+    ids = jax.device_put(np.asarray(ids, np.int32))
+  values = np.float32(scale) * (
+      1 + np.arange(ids.shape[0] * D, dtype=np.float32)).reshape(-1, D)
+  return {'t': SparseRows(ids, jax.device_put(values), V),
+          'w': jax.device_put(np.full((D,), 0.5, np.float32))}
 
 
 def _ref(steps, lr=0.1):
