@@ -4,6 +4,8 @@ on every property and implementation with one count per distinct id."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -199,9 +201,13 @@ def test_max_norm_bounds_written_rows_only_at_update_time():
     tx.update(grads, tx.init(params))
 
 
+@functools.cache
 def _max_norm_steps(table_dtype, update_dtype):
   """A max-norm step applied as a train step does (fused where the CPU
-  kernel runs) and with the update's rows added as they are."""
+  kernel runs) and with the update's rows added as they are.
+
+  Made once per pair of dtypes in a process: the tests that jit the same
+  function reuse its trace and compiled program."""
   rows, width = 50, 19  # rows of 8 + 8 + 3 values: every loop of the kernel
   rng = np.random.default_rng(5)
   params = {'table': jnp.asarray(rng.normal(size=(rows, width)) * 0.3,

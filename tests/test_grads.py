@@ -75,8 +75,8 @@ def test_plain_jax_grad_through_lookup_stays_dense_and_correct():
   params = _params(rng)
   ids, ctx = _batch(rng)
   grads = jax.grad(_lazy)(params, ids, ctx)
-  ref = jax.grad(_plain)(params, ids, ctx)
-  assert float(jnp.abs(grads['table']).sum()) > 0
+  ref = _plain_value_and_grad(params, ids, ctx)[1]
+  assert np.abs(np.asarray(grads['table'])).sum() > 0
   for name in params:
     np.testing.assert_allclose(grads[name], ref[name], rtol=1e-6)
 
@@ -143,7 +143,7 @@ def test_named_tables():
   with pytest.raises(ValueError, match="named 'ut'"):
     lazy_optax.value_and_grad(lambda p, *a: _lazy(p['emb'], *a),
                               tables=['ut'])(nested, ids, ctx)
-  ref = jax.grad(_plain)(params, ids, ctx)
+  ref = _plain_value_and_grad(params, ids, ctx)[1]
   assert not isinstance(grads['table'], lazy_optax.SparseRows)
   np.testing.assert_allclose(grads['table'], ref['table'], rtol=1e-5,
                              atol=1e-7)

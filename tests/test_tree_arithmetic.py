@@ -25,16 +25,21 @@ V, D = 10, 2
 DAMAGED = r'row ids of parameter t were changed by arithmetic'
 
 
+# Test data made in numpy and put on the device (eager jnp operations, and
+# jnp.asarray itself, each compile a program per shape).
 def _params():
-  return {'t': jnp.arange(V * D, dtype=jnp.float32).reshape(V, D) / 10,
-          'w': jnp.ones((D,), jnp.float32)}
+  t = np.arange(V * D, dtype=np.float32).reshape(V, D) / np.float32(10)
+  return {'t': jax.device_put(t),
+          'w': jax.device_put(np.ones((D,), np.float32))}
 
 
 def _grads(ids, scale=1.0):
-  ids = jnp.asarray(ids, jnp.int32)
-  values = scale * (1.0 + jnp.arange(ids.shape[0] * D, dtype=jnp.float32)
-                    ).reshape(-1, D)
-  return {'t': SparseRows(ids, values, V), 'w': jnp.full((D,), 0.5)}
+  if not isinstance(ids, jax.Array):   # a list; traced ids stay as they are
+    ids = jax.device_put(np.asarray(ids, np.int32))
+  values = np.float32(scale) * (
+      1 + np.arange(ids.shape[0] * D, dtype=np.float32)).reshape(-1, D)
+  return {'t': SparseRows(ids, jax.device_put(values), V),
+          'w': jax.device_put(np.full((D,), 0.5, np.float32))}
 
 
 def _ref(steps, lr=0.1):
@@ -235,8 +240,9 @@ def test_jmp_dynamic_loss_scaling_unscales_values_only():
   params = _params()
   scale = jmp.DynamicLossScale(jnp.float32(2.0 ** 15))
   got, _, _ = step(params, tx.init(params), scale)
-  _, plain = lazy_optax.value_and_grad(_loss)(params, ids)
-  want, _ = _step(tx, plain)
+  # The reference, the same step without a loss scale, in one program.
+  want = jax.jit(lambda p: _step(
+      tx, lazy_optax.value_and_grad(_loss)(p, ids)[1], p)[0])(params)
   np.testing.assert_allclose(got['t'], want['t'], rtol=1e-6)
   # A loss scale that overflows gives non-finite gradients: step skipped.
   huge = jmp.DynamicLossScale(jnp.float32(3e38))
