@@ -77,7 +77,7 @@ def test_1000_steps_equal_the_float64_model_of_policy_and_rule():
   # Each id's initial row, computed once per distinct id from its raw id.
   distinct = np.unique(ids)
   rows0 = np.asarray(reset_module.fresh_rows(
-      INIT, KEY, jnp.asarray(lazy_optax.split_ids(distinct)), (D,),
+      INIT, KEY, jax.device_put(lazy_optax.split_ids(distinct)), (D,),
       jnp.float32, 'emb'), np.float64)
   start = dict(zip(distinct.tolist(), rows0))
 
@@ -125,9 +125,9 @@ def test_a_returning_evicted_id_starts_fresh():
       params, opt_state, id_state, lazy_optax.split_ids(batch),
       np.ones(N, np.float32), 0)
   first = int(slots[0])
-  row0 = reset_module.fresh_rows(INIT, KEY, jnp.asarray(
-      lazy_optax.split_ids(np.array([x]))), (D,), jnp.float32, 'emb')[0]
-  assert not np.allclose(params['emb'][first], row0)       # it trained
+  row0 = np.asarray(reset_module.fresh_rows(INIT, KEY, jax.device_put(
+      lazy_optax.split_ids(np.array([x]))), (D,), jnp.float32, 'emb'))[0]
+  assert not np.allclose(np.asarray(params['emb'])[first], row0)  # trained
   # Four other ids take every slot; x is evicted.
   others = np.repeat(np.arange(1, 5, dtype=np.int64), N // 4)
   params, opt_state, id_state, _, _ = step(
@@ -139,21 +139,26 @@ def test_a_returning_evicted_id_starts_fresh():
   params, opt_state = lazy_optax.reset_rows(
       tx, params, opt_state, {'emb': fresh}, init=INIT, key=KEY)
   s = int(slots[0])
-  np.testing.assert_array_equal(params['emb'][s], row0)
-  assert not np.asarray(optax.tree.get(opt_state, 'mu')['emb'][s]).any()
-  assert not np.asarray(optax.tree.get(opt_state, 'nu')['emb'][s]).any()
+  np.testing.assert_array_equal(np.asarray(params['emb'])[s], row0)
+  assert not np.asarray(optax.tree.get(opt_state, 'mu')['emb'])[s].any()
+  assert not np.asarray(optax.tree.get(opt_state, 'nu')['emb'])[s].any()
 
 
 def _fresh(slots, ids, capacity):
-  return lazy_optax.FreshRows(jnp.asarray(slots, jnp.int32),
-                              jnp.asarray(lazy_optax.split_ids(ids)))
+  # device_put of NumPy arrays compiles nothing (jnp.asarray would compile
+  # a small copy per new shape).
+  return lazy_optax.FreshRows(
+      jax.device_put(np.asarray(slots, np.int32)),
+      jax.device_put(lazy_optax.split_ids(np.asarray(ids, np.int64))))
 
 
 @pytest.mark.parametrize('name', ['ftrl', 'rowwise_adagrad', 'adam_with_counter',
                                   'rowwise_rmsprop_ar',
                                   'chain_partition_inject', 'lazy_adamw'])
 def test_reset_rows_gives_what_init_gives_a_fresh_row(name):
-  params = {'emb': jnp.arange(40.0).reshape(10, 4), 'w': jnp.ones(3)}
+  params = {'emb': jax.device_put(np.arange(40.0, dtype=np.float32)
+                                  .reshape(10, 4)),
+             'w': jax.device_put(np.ones(3, np.float32))}
   txs = {
       'ftrl': lambda: lazy_optax.ftrl(0.1, initial_accumulator_value=0.1),
       'rowwise_adagrad': lambda: lazy_optax.rowwise_adagrad(
@@ -192,13 +197,17 @@ def test_reset_rows_gives_what_init_gives_a_fresh_row(name):
   kept = np.setdiff1d(np.arange(10), reset)
   row_init = reset_module.fresh_rows(
       INIT, KEY, fresh.ids, (4,), jnp.float32, 'emb')
-  np.testing.assert_array_equal(new_p['emb'][reset], row_init[np.array([0, 2])])
-  np.testing.assert_array_equal(new_p['emb'][kept], before[0]['emb'][kept])
+  row_init = np.asarray(row_init)
+  np.testing.assert_array_equal(np.asarray(new_p['emb'])[reset],
+                                row_init[np.array([0, 2])])
+  np.testing.assert_array_equal(np.asarray(new_p['emb'])[kept],
+                                before[0]['emb'][kept])
   np.testing.assert_array_equal(new_p['w'], before[0]['w'])
   # Leaves mirroring the table: rows as init gives them, others untouched;
   # init here sees the fresh rows as the table (adam_with_counter/ftrl start from 0,
   # accumulators from their initial value).
-  fresh_init = tx.init({'emb': row_init[np.array([0, 2])], 'w': params['w']})
+  fresh_init = tx.init({'emb': jax.device_put(row_init[np.array([0, 2])]),
+                        'w': params['w']})
   for new, old, ref_new, ref_old in zip(
       jax.tree.leaves(new_state), jax.tree.leaves(before[1]),
       jax.tree.leaves(fresh_init), jax.tree.leaves(init_state)):
@@ -261,13 +270,14 @@ def test_reset_rows_keys_rows_by_raw_id_and_table():
   q, _ = lazy_optax.reset_rows(
       tx, params, state, {'a': _fresh([5], np.array([x]), 6)},
       init=jax.nn.initializers.normal(1.0), key=KEY)
-  np.testing.assert_array_equal(p['a'][1], q['a'][5])    # same id, same row
-  assert not np.allclose(p['a'][1], p['b'][4])           # another table
+  pa, pb, qa = np.asarray(p['a']), np.asarray(p['b']), np.asarray(q['a'])
+  np.testing.assert_array_equal(pa[1], qa[5])            # same id, same row
+  assert not np.allclose(pa[1], pb[4])                   # another table
   # Rows look like draws of the initializer: many ids, mean 0, std 1.
   many = np.arange(4000, dtype=np.int64) * 1000003
   rows = np.asarray(reset_module.fresh_rows(
       jax.nn.initializers.normal(1.0), KEY,
-      jnp.asarray(lazy_optax.split_ids(many)), (8,), jnp.float32, 'a'))
+      jax.device_put(lazy_optax.split_ids(many)), (8,), jnp.float32, 'a'))
   assert abs(rows.mean()) < 0.02 and abs(rows.std() - 1) < 0.02
   corr = np.corrcoef(rows[:, 0], rows[:, 1])[0, 1]
   assert abs(corr) < 0.05
@@ -325,8 +335,8 @@ def test_reset_rows_in_chunks_equals_one_branch_free_reset(share):
   `fresh_rows` gives the fresh slots."""
   cap, n = 4096, 600
   rng = np.random.default_rng(1)
-  params = {'emb': jnp.asarray(rng.normal(size=(cap, 8)), jnp.float32),
-            'w': jnp.ones(2)}
+  params = {'emb': jax.device_put(rng.normal(size=(cap, 8)).astype(np.float32)),
+            'w': jax.device_put(np.ones(2, np.float32))}
   tx = CHUNK_TX
   state = jax.tree.map(lambda x: x + 1 if jnp.ndim(x) == 2 else x,
                        tx.init(params))
