@@ -27,8 +27,9 @@ BAD = np.array([[1, NUM_ROWS], [-1, 3]], np.int32)   # first bad: 10 at [0 1]
 
 def _entry(name, padding_id=None):
   """(params, apply(params, ids), table path, bag?) for one entry point."""
-  table = jnp.asarray(np.random.default_rng(0).normal(size=(NUM_ROWS, DIM)),
-                      jnp.float32)
+  # NumPy data put with device_put: no conversion program compiled.
+  table = jax.device_put(np.random.default_rng(0).normal(
+      size=(NUM_ROWS, DIM)).astype(np.float32))
   bag = name.endswith('bag')
   mode = dict(mode='sum') if bag else {}
   if name in ('lookup', 'lookup_bag'):
@@ -106,7 +107,7 @@ def test_eager_out_of_range_ids_raise_naming_the_table_and_first_bad_id(name):
   pattern = (rf'table {path}: id {NUM_ROWS} at position \[0 1\] is out of range '
              rf'for a table of {NUM_ROWS} rows \(2 ids')
   with pytest.raises(ValueError, match=pattern):
-    lazy_optax.value_and_grad(loss)(params, jnp.asarray(BAD))
+    lazy_optax.value_and_grad(loss)(params, jax.device_put(BAD))
   with pytest.raises(ValueError, match=r'id -1 at position \[0'):
     apply(params, jnp.array([[-1, 2]]) if name.endswith('bag')
           else jnp.array([-1, 2]))
@@ -127,7 +128,7 @@ def test_under_jit_out_of_range_ids_read_zeros_and_give_no_gradient_row(name):
       return jnp.sum(out * cotangent), out
     return lazy_optax.value_and_grad(loss_fn, has_aux=True)(params)
 
-  (_, out), grads = grad_fn(params, jnp.asarray(BAD))
+  (_, out), grads = grad_fn(params, jax.device_put(BAD))
   ref_out, ref_grad = _reference(_table(params), BAD, bag, cotangent)
   np.testing.assert_allclose(out, ref_out, rtol=1e-6, atol=1e-6)
   g = _sparse_grad(grads)
@@ -161,7 +162,7 @@ def test_padding_id_reads_its_row_and_gives_no_gradient_row(name, jit):
     return lazy_optax.value_and_grad(loss_fn, has_aux=True)(params)
 
   (_, out), grads = (jax.jit(grad_fn) if jit else grad_fn)(
-      params, jnp.asarray(ids))
+      params, jax.device_put(ids))
   ref_out, ref_grad = _reference(_table(params), ids, bag, cotangent,
                                  padding_id=0)
   if not bag:   # the padding row reads as it is
@@ -182,8 +183,8 @@ def test_padding_id_reads_its_row_and_gives_no_gradient_row(name, jit):
 ], ids=['lazy_adam', 'lazy_adamw', 'lazy_momentum'])
 def test_no_optimizer_ever_updates_the_padding_row(tx):
   rng = np.random.default_rng(3)
-  params = {'table': jnp.asarray(rng.normal(size=(NUM_ROWS, DIM)),
-                                 jnp.float32)}
+  params = {'table': jax.device_put(
+      rng.normal(size=(NUM_ROWS, DIM)).astype(np.float32))}
   before = np.asarray(params['table']).copy()
   opt_state = tx.init(params)
 
