@@ -322,12 +322,14 @@ def test_checked_mode_reports_a_full_table():
                                                 ids_are_32bit=True))
   # Ids 0-3 fill the table; a batch of 6 (0 and 1 repeated) as below, so
   # one program runs both calls.
-  slots, state, _ = lazy_optax.checks.checked(step)(table.init(),
-                                             jnp.asarray(np.arange(6) % 4), 0)
+  # NumPy ids put with device_put: no copy program compiled for them.
+  slots, state, _ = lazy_optax.checks.checked(step)(
+      table.init(), jax.device_put(np.arange(6, dtype=np.int32) % 4), 0)
   assert int(state.live) == 4
   with pytest.raises(lazy_optax.checks.CheckError, match='4 looked-up ids got no'
                      ' row') as e:
-    lazy_optax.checks.checked(step)(state, jnp.arange(2, 8), 1)
+    lazy_optax.checks.checked(step)(
+        state, jax.device_put(np.arange(2, 8, dtype=np.int32)), 1)
   slots, state, _ = e.value.outputs
   # The full table was not corrupted: the old ids keep their slots.
   np.testing.assert_array_equal(np.asarray(slots)[:2],
@@ -339,11 +341,12 @@ def test_traced_invalid_ids_get_no_row_and_change_nothing():
   table = lazy_optax.IdTable(capacity=8, probe=4)
   assign = jax.jit(lambda s, ids: table.assign(s, ids, step=0,
                                                 ids_are_32bit=True))
-  slots, state, fresh = assign(table.init(), jnp.array([-3, 5, -1]))
+  slots, state, fresh = assign(table.init(),
+                               jax.device_put(np.array([-3, 5, -1], np.int32)))
   assert np.asarray(slots).tolist()[0::2] == [8, 8]
   assert int(state.live) == 1
   assert int((np.asarray(fresh.slots) < 8).sum()) == 1
-  words = jnp.array([[2 ** 31, 0], [0, 7]], jnp.uint32)
+  words = jax.device_put(np.array([[2 ** 31, 0], [0, 7]], np.uint32))
   slots = jax.jit(lambda s, w: table.assign(s, w, step=1)[0])(state, words)
   assert int(slots[0]) == 8 and int(slots[1]) < 8
 
