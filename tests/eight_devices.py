@@ -26,21 +26,7 @@ def environment():
 
 
 def call(module, function, *args, with_stdout=False):
-  """Runs `module.function(*args)` on 8 devices; returns its result.
-
-  Args:
-    module: the name of a module of tests/ (imported there).
-    function: the name of a function of that module.
-    *args: its arguments (JSON values).
-    with_stdout: also return what the function printed.
-
-  Returns:
-    What the function returned, through JSON; with `with_stdout`, the pair
-    (that, what it printed).
-
-  Raises:
-    AssertionError: the check failed (its traceback), or the process died
-      or did not answer within 15 minutes (its stderr).
-  """
+  """`fork_server.call(module, function, *args)` on 8 devices: its result
+  (with `with_stdout`, and what it printed); a failed check raises there."""
   return fork_server.call(module, function, *args, devices=DEVICES,
                           with_stdout=with_stdout)
