@@ -118,3 +118,88 @@ def test_decay_needs_params():
   with pytest.raises(ValueError, match='params'):
     tx.update(SparseRows(jnp.array([1]), jnp.ones((1, D)), N),
               tx.init(params))
+
+
+def _kernel_steps(tx, num_rows):
+  """The step adding the update to the table the rule read (`FusedAdd`),
+  and the same step adding it to a copy of that table (the update rows,
+  scatter-added), which also returns the update rows."""
+
+  def step(params, state, ids, values, copy):
+    g = SparseRows(ids, values, num_rows)
+    updates, state = tx.update(g, state, params)
+    target = jnp.copy(params) if copy else params
+    return lazy_optax.apply_updates(target, updates), state, updates.values
+
+  fused = jax.jit(lambda *a: step(*a, copy=False)[:2])
+  rows = jax.jit(lambda *a: step(*a, copy=True))
+  return fused, rows
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize('mode', ['adagradw', 'decoupled'])
+def test_decay_is_applied_inside_the_scatter_add_bit_for_bit(mode, dtype):
+  """On the CPU kernel, `apply_updates` computes the update's weight-decay
+  term from each parameter row it adds to (the step gathers no parameter
+  rows), with the bits of the update rows added the usual way."""
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  num_rows, d = 50, 8
+  tx = lazy_optax.rowwise_adagrad_with_counter(
+      0.05, weight_decay=0.3, counter_weight_decay_mode=mode,
+      counter_halflife=-1 if mode == 'adagradw' else 4)
+  rng = np.random.default_rng(0)
+  table = jnp.asarray(rng.normal(size=(num_rows, d)), dtype)
+  state = tx.init(table)
+  fused, rows = _kernel_steps(tx, num_rows)
+  ids = jnp.array([3, 7, 3, 49, 0], jnp.int32)
+  values = jnp.asarray(rng.normal(size=(5, d)), dtype)
+  hlo = fused.lower(table, state, ids, values).compile().as_text()
+  assert 'LazyOptaxAddLinear' in hlo
+  table_shape = f'[{num_rows},{d}]'
+  # No gather reads the table (its rows are read where they are added).
+  assert not [line for line in hlo.splitlines()
+              if ('Gather' in line or ' gather(' in line)
+              and table_shape in line]
+  assert 'LazyOptaxAddLinear' not in rows.lower(
+      table, state, ids, values).compile().as_text()
+  [choice] = lazy_optax.explain_update(
+      tx, SparseRows(ids, values, num_rows), state, table).values()
+  assert choice.impl == 'cpu_kernel', choice
+  assert 'inside its scatter-add' in choice.reason, choice
+  a, b = (table, state), (table, state)
+  for step in range(4):
+    step_ids = ids if step % 2 == 0 else jnp.array([7, 8, 9, 10, 11],
+                                                   jnp.int32)
+    a = fused(*a, step_ids, values)
+    *b, u = rows(*b, step_ids, values)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+      np.testing.assert_array_equal(np.asarray(x, np.float32),
+                                    np.asarray(y, np.float32))
+  # The update rows are the rule's: the decay of row 7's weights and the
+  # gradient's step, nothing on the untouched rows.
+  untouched = np.setdiff1d(np.arange(num_rows), [0, 3, 7, 8, 9, 10, 11, 49])
+  np.testing.assert_array_equal(np.asarray(a[0], np.float32)[untouched],
+                                np.asarray(table, np.float32)[untouched])
+  assert np.all(np.asarray(u, np.float32) != 0)
+
+
+def test_l2_mode_reads_the_weights_in_the_kernel():
+  """'l2' adds the decay to the gradient whose square the accumulator
+  sums: the state reads the weights, so the kernel takes the parameter
+  rows and nothing is left for the scatter-add."""
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  tx = lazy_optax.rowwise_adagrad_with_counter(
+      0.05, weight_decay=0.3, counter_weight_decay_mode='l2',
+      counter_halflife=4)
+  table = jnp.asarray(np.random.default_rng(0).normal(size=(N, D)),
+                      jnp.float32)
+  state = tx.init(table)
+  fused, _ = _kernel_steps(tx, N)
+  ids, values = jnp.array([1, 4], jnp.int32), jnp.ones((2, D))
+  hlo = fused.lower(table, state, ids, values).compile().as_text()
+  assert 'LazyOptaxRowwiseAdagradWithCounter' in hlo
+  assert 'Split' not in hlo and 'LazyOptaxAddLinear' not in hlo
+  [choice] = lazy_optax.explain_update(tx, SparseRows(ids, values, N),
+                                       state, table).values()
+  assert choice.impl == 'cpu_kernel', choice
+  assert 'scatter-add' not in choice.reason, choice

@@ -59,6 +59,7 @@ from lazy_optax._src import validate
 from lazy_optax._src.backend import Backend
 from lazy_optax._src.backend import REGATHER_MIN_ROW_BYTES  # noqa: F401
 from lazy_optax._src.backend import row_bytes as _row_bytes
+from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.placement import Placement
 from lazy_optax._src.placement import placement
 
@@ -72,10 +73,11 @@ ROWS_KEY = 'lazy_optax_rows'
 class FusedAdd(NamedTuple):
   """How an update made by `lazy(...)` adds itself to its parameter table.
 
-  A rule whose update is a function of the parameter rows (row max-norm)
-  can be applied where the rows are added, reading each row once: `add`
-  gives `table + update` for the table the rows were computed from, equal
-  to the scatter-add of `values` (`SparseRows.with_fused_add`).
+  A rule whose update is a function of the parameter rows (row max-norm,
+  or a rule whose update is linear in them, `RowRule.split_params`) can be
+  applied where the rows are added, reading each row once: `add` gives
+  `table + update` for the table the rows were computed from, equal to the
+  scatter-add of `values` (`SparseRows.with_fused_add`).
   """
   table: Any  # the parameter table the update was computed from
   # (table, safe ids, values, the table's row-move backend) -> new table
@@ -118,6 +120,15 @@ class RowRule(NamedTuple):
       bit for bit as the two (`g` the incoming rows, `words` the packed
       record, `dtype` the update's); `apply_updates` takes it where it adds
       the update to the very table the rule read (`FusedAdd`).
+    split_params: for a rule whose new state does not read the parameter
+      rows and whose update is linear in them, `base + keep * params` with
+      `base` and the per-row `keep` computed without them (`step` computes
+      the same in that order): its kernel's split target
+      (`cpu_kernels.rule_split`) updates the state and returns `base` and
+      `keep`, the update rows are computed from them by XLA, and
+      `apply_updates` adds them to the very table the rule read in one pass
+      (`cpu_kernels.add_linear`, `FusedAdd`), so the parameter rows are
+      not gathered at all.
   """
   name: str
   new_rows: Callable[..., dict[str, jax.Array]]
@@ -129,6 +140,7 @@ class RowRule(NamedTuple):
   step_reads_old_rows: bool = False
   int_tables: tuple[str, ...] = ()
   fused_add: Optional[Callable[..., jax.Array]] = None
+  split_params: bool = False
 
 
 def stateless_rule(name: str, step: Callable[..., jax.Array], kernel: str,
@@ -388,9 +400,55 @@ def _kernel_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
   return dict(zip(names, new)), u.astype(g.dtype)
 
 
+def _split_kernel_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
+                         ids: jax.Array, params: Any, hyper: Any,
+                         backend: Backend
+                         ) -> tuple[dict[str, jax.Array], jax.Array,
+                                    tuple[jax.Array, jax.Array]]:
+  """`_kernel_tables` for a `split_params` rule: the new tables, the update
+  rows `base + keep * params` (computed by XLA, unused where
+  `apply_updates` adds them in one pass) and `(base, keep)` (elsewhere than
+  on CPU, the update rows and no `keep`)."""
+  assert rule.kernel is not None and rule.kernel_hyper is not None
+  names = list(rule.tables)
+  target = rule.kernel
+  h = cpu_kernels.pack(target, rule.kernel_hyper(hyper))
+
+  def on_cpu(ids, g, h, p, *ts):
+    del p
+    return cpu_kernels.rule_split(target, ids, g, h, ts)
+
+  if backend.where.kind == 'explicit':
+    on_cpu = _per_shard(on_cpu, backend.where, len(names), 2)
+
+  def elsewhere(ids, g, h, p, *ts):
+    del h
+    new, u = _xla_tables(rule, g, dict(zip(names, ts)), ids, p, hyper,
+                         reread=_row_bytes(g) >= REGATHER_MIN_ROW_BYTES,
+                         backend=backend)
+    return (tuple(new[k] for k in names), u.astype(jnp.float32),
+            jnp.zeros(ids.shape, jnp.float32))
+
+  # The parameter rows are an operand only for the XLA path: on CPU they
+  # are read where the update is used.
+  new, base, keep = jax.lax.platform_dependent(
+      ids, g.astype(jnp.float32), h, params, *(tables[k] for k in names),
+      cpu=on_cpu, default=elsewhere)
+  u = jax.lax.platform_dependent(
+      base, keep, params,
+      cpu=lambda b, k, p: b + broadcast_rows(k, b) * p.astype(jnp.float32),
+      default=lambda b, k, p: b)
+  return dict(zip(names, new)), u.astype(g.dtype), (base, keep)
+
+
 def _per_shard(kernel: Callable[..., Any], where: Placement,
-               num_tables: int) -> Callable[..., Any]:
-  """`kernel` run by each device on its own rows (`jax.shard_map`)."""
+               num_tables: int, num_rows_out: int = 1) -> Callable[..., Any]:
+  """`kernel` run by each device on its own rows (`jax.shard_map`).
+
+  `kernel(ids, g, h, p, *tables)` returns `(new tables, *row outputs)`,
+  `num_rows_out` of them, zero for ids the device does not hold (summed
+  over the devices).
+  """
   P = jax.sharding.PartitionSpec  # pylint: disable=invalid-name
   axes = where.row_axes
   table_spec = P(axes if len(axes) > 1 else axes[0]) if axes else P()
@@ -401,15 +459,15 @@ def _per_shard(kernel: Callable[..., Any], where: Placement,
       index = jax.lax.axis_index(axes)
       ids = ids - index * local
       ids = jnp.where((ids >= 0) & (ids < local), ids, local)
-    new, u = kernel(ids, g, h, p, *tables)
+    new, *out = kernel(ids, g, h, p, *tables)
     if axes:
-      u = jax.lax.psum(u, axes)
-    return new, u
+      out = [jax.lax.psum(x, axes) for x in out]
+    return (new, *out)
 
   return jax.shard_map(
       body, mesh=where.mesh,
       in_specs=(P(), P(), P(), P()) + (table_spec,) * num_tables,
-      out_specs=((table_spec,) * num_tables, P()))
+      out_specs=((table_spec,) * num_tables,) + (P(),) * num_rows_out)
 
 
 def _lazy_blocks(rule: RowRule, rows: dict[str, Any], params: Any,
@@ -455,11 +513,18 @@ def _decided(rule: RowRule, g: Any, impl: str, context: RowContext,
     backend = Backend('generic', f'{rule.name} was not seen when lazy(...) '
                       'decided this table', False, Placement('one'))
   reason = backend.reason
-  if rule.fused_add is not None and backend.kind == 'cpu_kernel':
+  if _fuses(rule) and backend.kind == 'cpu_kernel':
     reason += ('; apply_updates given these very parameters runs it inside '
                'its scatter-add, reading each row once')
   context.record(Choice(block.name, rule.name, backend.kind, reason))
   return backend
+
+
+def _fuses(rule: RowRule) -> bool:
+  """Whether the rule's kernel path adds its update in one pass
+  (`FusedAdd`)."""
+  return rule.fused_add is not None or (rule.split_params
+                                        and rule.needs_params)
 
 
 def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
@@ -479,6 +544,12 @@ def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
   if backend.kind == 'xla':
     new, u = _xla_tables(rule, g, tables, block.ids, params, hyper,
                          reread=True, rows=rows, backend=backend)
+  elif rule.split_params and rule.needs_params:
+    new, u, split = _split_kernel_tables(rule, g, tables, block.ids, params,
+                                         hyper, backend)
+    found_params = context.find(params)
+    assert found_params is not None  # `_lazy_blocks` found them
+    context.fuse(u, _linear_add(*split, found_params[1]))
   else:
     new, u = _kernel_tables(rule, g, tables, block.ids, params, hyper,
                             backend)
@@ -506,14 +577,12 @@ def _probed(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
   return u, stored
 
 
-def _fused_add(rule: RowRule, g: Any, hyper: Any, block: Block) -> FusedAdd:
-  """How the update of `rule` (without state) on `g` is added to the
-  parameter table of `block` in one pass: on CPU its `fused_add` kernel
-  (the update's rows left unused, for XLA to drop), elsewhere the rows."""
-  assert rule.fused_add is not None and rule.kernel_hyper is not None
-  assert rule.kernel is not None
-  fused_add, target = rule.fused_add, rule.kernel
-  words = cpu_kernels.pack(target, rule.kernel_hyper(hyper))
+def _one_pass(block: Block, operands: tuple[jax.Array, ...],
+              kernel: Callable[..., jax.Array]) -> FusedAdd:
+  """The `FusedAdd` of `block`'s parameter table: on CPU
+  `kernel(table, ids, *operands, update dtype)`, which computes the update
+  from each parameter row it reads and adds it (the update's rows left
+  unused, for XLA to drop), elsewhere the scatter-add of the rows."""
 
   def add(table, ids, values, moves):
     rows = values.astype(table.dtype)
@@ -523,11 +592,27 @@ def _fused_add(rule: RowRule, g: Any, hyper: Any, block: Block) -> FusedAdd:
             and jnp.dtype(values.dtype) in cpu_kernels.STORAGE_DTYPES):
       return row_ops.add(table, ids, rows, moves)
     return jax.lax.platform_dependent(
-        table, ids, g, words, rows,
-        cpu=lambda t, i, g, w, _: fused_add(t, i, g, w, values.dtype),
-        default=lambda t, i, g, w, r: row_ops.add(t, i, r, moves))
+        table, ids, rows, *operands,
+        cpu=lambda t, i, _, *o: kernel(t, i, *o, values.dtype),
+        default=lambda t, i, r, *o: row_ops.add(t, i, r, moves))
 
   return FusedAdd(block.table, add)
+
+
+def _fused_add(rule: RowRule, g: Any, hyper: Any, block: Block) -> FusedAdd:
+  """How the update of `rule` (without state) on `g` is added to the
+  parameter table of `block` in one pass: its `fused_add` kernel."""
+  assert rule.fused_add is not None and rule.kernel_hyper is not None
+  assert rule.kernel is not None
+  words = cpu_kernels.pack(rule.kernel, rule.kernel_hyper(hyper))
+  return _one_pass(block, (g, words), rule.fused_add)
+
+
+def _linear_add(base: jax.Array, keep: jax.Array, block: Block) -> FusedAdd:
+  """How the update `base + keep * params` of a `split_params` rule is added
+  to the parameter table of `block` in one pass (`cpu_kernels.add_linear`).
+  """
+  return _one_pass(block, (base, keep), cpu_kernels.add_linear)
 
 
 def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],

@@ -232,12 +232,15 @@ def _rule(cfg: _Config) -> fused.RowRule:
         lr_mode=_LR_CODES[cfg.lr_mode], step=t,
         catch_up_cap=jnp.asarray(t - cfg.adjustment_iter, jnp.int32))
 
+  # The state reads the weights in 'l2' mode only; the update is
+  # `-adj g + (corr - 1) w`, linear in them.
   return fused.RowRule(
       'rowwise_adagrad_with_counter', new_rows, step,
       ('sum_of_squares', 'row_counter', 'last_step'),
       'LazyOptaxRowwiseAdagradWithCounter', kernel_hyper,
       needs_params=needs_params, step_reads_old_rows=True,
-      int_tables=('last_step',))
+      int_tables=('last_step',),
+      split_params=cfg.decay_mode in ('decoupled', 'adagradw'))
 
 
 def _check(learning_rate, eps, weight_decay, counter_weight_decay_mode,

@@ -36,6 +36,10 @@
 //   LazyOptaxRowMaxNorm     a written row kept within max_norm (no state)
 //   LazyOptaxAddRowMaxNorm  table[ids] += the max-norm update of rows, in
 //                           place: the rule and the scatter-add in one pass
+//   LazyOptaxRowwiseAdagradWithCounterSplit  the counter rule's state update,
+//                           its update returned as base + keep * w (below)
+//   LazyOptaxAddLinear      table[ids] += base + keep * table[ids], in place:
+//                           a split rule's update added in one pass
 
 #include <algorithm>
 #include <array>
@@ -611,13 +615,17 @@ struct Int32Tables<Rule, std::void_t<decltype(Rule::kInt32)>> {
 };
 
 // The slot's own rows: gradient, parameters (or the gradient) and update,
-// their width and its inverse (for means over a row).
+// their width and its inverse (for means over a row). Called by a rule's
+// split target (`keep` set, `p` null), a rule whose update is linear in the
+// parameter row w writes the part that does not read w to `u` and the
+// row's factor of w to `*keep`: the update is `u[k] + *keep * w[k]`.
 struct RowIo {
   const float* __restrict__ g;
   const float* __restrict__ p;
   float* __restrict__ u;
   int64_t w;
   float inv_w;
+  float* __restrict__ keep;
 };
 
 // The sum of x(k)^2 over a row, in 8 running sums (so that it vectorizes).
@@ -651,10 +659,23 @@ template <typename Rule>
 struct NumTables<Rule, std::void_t<decltype(Rule::kPerRow)>>
     : std::integral_constant<size_t, sizeof(Rule::kPerRow) / sizeof(bool)> {};
 
+// Whether `Rule` has a split target (see RowIo): it declares
+// `static bool Splits(const Hyper&)`, true where its state does not read
+// the parameter rows and its update is linear in them.
+template <typename Rule, typename = void>
+struct SplitsParams {
+  static bool For(const typename Rule::Hyper&) { return false; }
+};
+template <typename Rule>
+struct SplitsParams<Rule, std::void_t<decltype(Rule::Splits)>> {
+  static bool For(const typename Rule::Hyper& h) { return Rule::Splits(h); }
+};
+
+// `params` is null and `keep` [N] set for a rule's split target.
 template <typename Rule, typename... S, size_t... I>
 void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
               int64_t rows, int64_t w, const typename Rule::Hyper& h,
-              const float* g, const float* params, float* out,
+              const float* g, const float* params, float* out, float* keep,
               std::index_sequence<I...>, typename S::T*... tables) {
   // Values per table row: one (per row) or w (per entry).
   const std::array<int64_t, sizeof...(I)> width = {
@@ -670,12 +691,16 @@ void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
       }
       const int64_t r = ids[s];
       if (!Named(ids[s], rows)) continue;
-      Rule::Row(h, RowIo{g + s * w, params + s * w, out + s * w, w, inv_w},
+      Rule::Row(h,
+                RowIo{g + s * w, params ? params + s * w : nullptr,
+                      out + s * w, w, inv_w, keep ? keep + s : nullptr},
                 Row<S>{tables + r * width[I]}...);
     }
   });
   for (int64_t s = 0; s < n; ++s) {  // slots whose id names no row
-    if (!Named(ids[s], rows)) std::memset(out + s * w, 0, w * sizeof(float));
+    if (Named(ids[s], rows)) continue;
+    std::memset(out + s * w, 0, w * sizeof(float));
+    if (keep) keep[s] = 0.0f;
   }
 }
 
@@ -701,10 +726,18 @@ ffi::Error WithStorages(const char* name, const ffi::DataType* types, Fn& fn,
   }
 }
 
+// The parameter rows a rule kernel reads, or (its split target) the
+// per-row factors of them it writes.
+struct ParamRows {
+  const float* params;  // [N, W], or null
+  float* keep;          // [N], or null
+  size_t values;        // the element count of the one given
+};
+
 template <typename Rule, size_t... I>
 ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
                    ffi::Buffer<ffi::S32>& ids, ffi::Buffer<ffi::F32>& g,
-                   ffi::Buffer<ffi::U32>& hyper, ffi::Buffer<ffi::F32>& params,
+                   ffi::Buffer<ffi::U32>& hyper, ParamRows pr,
                    ffi::RemainingArgs& ins,
                    ffi::Result<ffi::Buffer<ffi::F32>>& updates,
                    ffi::RemainingRets& outs, std::index_sequence<I...> seq) {
@@ -715,7 +748,7 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   const Shape2 gs = AsRows(g.dimensions());
   const int64_t n = static_cast<int64_t>(ids.element_count());
   if (gs.rows != n || updates->element_count() != g.element_count() ||
-      params.element_count() != g.element_count()) {
+      pr.values != (pr.keep ? static_cast<size_t>(n) : g.element_count())) {
     return fail("gradient, parameter and update shapes");
   }
   if (hyper.element_count() * sizeof(uint32_t) !=
@@ -724,6 +757,9 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   }
   typename Rule::Hyper h;
   std::memcpy(&h, hyper.typed_data(), sizeof(h));
+  if (pr.keep && !SplitsParams<Rule>::For(h)) {
+    return fail("split, for a configuration whose state reads the weights");
+  }
   if (ins.size() != kTables || outs.size() != kTables) {
     return fail("state tables (a wrong count)");
   }
@@ -751,7 +787,7 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   auto run = [&](auto... s) {
     RuleRows<Rule, decltype(s)...>(
         pool, ids.typed_data(), n, rows, gs.width, h, g.typed_data(),
-        params.typed_data(), updates->typed_data(), seq,
+        pr.params, updates->typed_data(), pr.keep, seq,
         static_cast<typename decltype(s)::T*>(data[I])...);
     return ffi::Error::Success();
   };
@@ -768,8 +804,23 @@ struct RuleKernel {
                          ffi::Result<ffi::Buffer<ffi::F32>> updates,
                          ffi::RemainingRets outs) {
     constexpr size_t kTables = NumTables<Rule>::value;
-    return RunRule<Rule>(name, pool, ids, g, hyper, params, ins, updates, outs,
-                         std::make_index_sequence<kTables>());
+    return RunRule<Rule>(
+        name, pool, ids, g, hyper,
+        ParamRows{params.typed_data(), nullptr, params.element_count()}, ins,
+        updates, outs, std::make_index_sequence<kTables>());
+  }
+  // The split target: no parameter rows in, their factors `keep` out.
+  static ffi::Error Split(const char* name, ffi::ThreadPool pool,
+                          ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> g,
+                          ffi::Buffer<ffi::U32> hyper, ffi::RemainingArgs ins,
+                          ffi::Result<ffi::Buffer<ffi::F32>> updates,
+                          ffi::Result<ffi::Buffer<ffi::F32>> keep,
+                          ffi::RemainingRets outs) {
+    constexpr size_t kTables = NumTables<Rule>::value;
+    return RunRule<Rule>(
+        name, pool, ids, g, hyper,
+        ParamRows{nullptr, keep->typed_data(), keep->element_count()}, ins,
+        updates, outs, std::make_index_sequence<kTables>());
   }
 };
 
@@ -1030,6 +1081,75 @@ ffi::Error AddRowMaxNorm(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
   });
 }
 
+// base + keep * p in two float32 roundings, never one multiply-add, as XLA
+// computes a split rule's update rows (so that the two paths agree bit for
+// bit).
+#if defined(__clang__)
+#define LAZY_OPTAX_NO_CONTRACT
+#define LAZY_OPTAX_NO_CONTRACT_BODY _Pragma("clang fp contract(off)")
+#else
+#define LAZY_OPTAX_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define LAZY_OPTAX_NO_CONTRACT_BODY
+#endif
+
+template <typename S>
+LAZY_OPTAX_NO_CONTRACT void AddLinearRows(typename S::T* base,
+                                          int64_t table_rows, int64_t w,
+                                          const int32_t* id, int64_t n,
+                                          const float* u, const float* keep,
+                                          bool round_bf16) {
+  LAZY_OPTAX_NO_CONTRACT_BODY
+  using T = typename S::T;
+  const int64_t row_bytes = w * static_cast<int64_t>(sizeof(T));
+  for (int64_t s = 0; s < n; ++s) {
+    if (s + kPrefetchAhead < n && Named(id[s + kPrefetchAhead], table_rows)) {
+      Prefetch(base, id[s + kPrefetchAhead], row_bytes, true);
+    }
+    if (!Named(id[s], table_rows)) continue;
+    T* row = base + static_cast<int64_t>(id[s]) * w;
+    const float* us = u + s * w;
+    const float ks = keep[s];
+    if (round_bf16) {
+      for (int64_t k = 0; k < w; ++k) {
+        const float p = S::Load(row + k);
+        const float scaled = ks * p;
+        S::Store(row + k, p + S::Rounded(BF16::Rounded(us[k] + scaled)));
+      }
+    } else {
+      for (int64_t k = 0; k < w; ++k) {
+        const float p = S::Load(row + k);
+        const float scaled = ks * p;
+        S::Store(row + k, p + S::Rounded(us[k] + scaled));
+      }
+    }
+  }
+}
+
+// The scatter-add of a split rule's update, fused: for distinct ids, each
+// row w gets w + (u + keep w), the update rounded as the unfused path
+// rounds it (to bfloat16 where the update is bfloat16, `round_bf16`, then
+// to the table's dtype), bit for bit as the update rows computed by XLA
+// then LazyOptaxScatterAdd, each parameter row read once. One thread, as
+// LazyOptaxScatterAdd.
+ffi::Error AddLinear(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
+                     ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> keep,
+                     int64_t round_bf16, ffi::Result<ffi::AnyBuffer> out) {
+  const Shape2 t = AsRows(table.dimensions());
+  const int64_t n = static_cast<int64_t>(ids.element_count());
+  if (static_cast<int64_t>(rows.element_count()) != n * t.width ||
+      static_cast<int64_t>(keep.element_count()) != n) {
+    return ffi::Error::InvalidArgument("LazyOptaxAddLinear: operands");
+  }
+  void* dst = InPlace(table, out);
+  return WithStorage(table.element_type(), [&](auto storage) {
+    using S = decltype(storage);
+    AddLinearRows<S>(static_cast<typename S::T*>(dst), t.rows, t.width,
+                     ids.typed_data(), n, rows.typed_data(), keep.typed_data(),
+                     round_bf16 != 0);
+    return ffi::Error::Success();
+  });
+}
+
 // Row-wise Adagrad with per-row counters (FBGEMM's EXACT_ROWWISE_ADAGRAD
 // with WeightDecayMode.COUNTER), per row, with `step` the global step (from
 // 1), `prev` the step of the row's last update (0: never) and
@@ -1039,6 +1159,8 @@ ffi::Error AddRowMaxNorm(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
 //   adj = m adjusted by the learning-rate mode (c > threshold), corr the
 //   decay (AdagradW: (1 - wd lr)^min(d, cap), adj times (1 - wd lr)^(.. - 1))
 //   update = (corr - 1) w - adj g;  prev = step
+// Its split target (the state reads no weights but in L2 mode) returns
+// base = -adj g and keep = corr - 1: update = base + keep w.
 // `enabled` (0 or 1) is FBGEMM's `iter > adjustment_iter`; the modes are
 // codes: decay_mode 0 none, 1 L2, 2 decoupled, 3 AdagradW; lr_mode -1
 // equal, 0 tail-id increase, 1 tail-id decrease, 2 counter SGD.
@@ -1052,6 +1174,8 @@ struct RowwiseAdagradCounterRule {
   // sum_of_squares, row_counter, last_step
   static constexpr bool kPerRow[] = {true, true, true};
   static constexpr bool kInt32[] = {false, false, true};
+
+  static bool Splits(const Hyper& h) { return h.decay_mode != 1.0f; }
 
   static float Counter(const Hyper& h, float c, float d) {
     if (h.halflife > 0.0f) return 1.0f + std::exp(-d * h.log_rho) * c;
@@ -1103,7 +1227,8 @@ struct RowwiseAdagradCounterRule {
         corr = 1.0f - freq * h.wd * (h.decay_mode == 2.0f ? h.lr : m);
       }
     }
-    if (h.decay_mode == 0.0f) {  // the weights are not read (nor passed)
+    if (io.keep != nullptr) *io.keep = h.decay_mode == 0.0f ? 0.0f : corr - 1.0f;
+    if (h.decay_mode == 0.0f || io.keep != nullptr) {  // the weights unread
       for (int64_t k = 0; k < w; ++k) io.u[k] = -adj * io.g[k];
     } else {
       const float keep = corr - 1.0f;
@@ -1194,11 +1319,46 @@ LAZY_OPTAX_RULE(LazyOptaxRowwiseAdagradWithCounter, RowwiseAdagradCounterRule)
 LAZY_OPTAX_RULE(LazyOptaxCowclip, CowclipRule)
 LAZY_OPTAX_RULE(LazyOptaxRowMaxNorm, RowMaxNormRule)
 
+// A rule's split target, `Symbol` + "Split" (see RowIo): the rule's
+// operands but the parameter rows; returns the update's base rows, then the
+// per-row factors `keep` [N], then the tables.
+#define LAZY_OPTAX_SPLIT_RULE(Symbol, Rule)                                 \
+  static ffi::Error Symbol##SplitImpl(                                      \
+      ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,                      \
+      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::U32> hyper,                 \
+      ffi::RemainingArgs ins, ffi::Result<ffi::Buffer<ffi::F32>> updates,   \
+      ffi::Result<ffi::Buffer<ffi::F32>> keep, ffi::RemainingRets outs) {   \
+    return RuleKernel<Rule>::Split(#Symbol "Split", pool, ids, g, hyper, ins, \
+                                   updates, keep, outs);                    \
+  }                                                                         \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol##Split, Symbol##SplitImpl,           \
+                                ffi::Ffi::Bind()                            \
+                                    .Ctx<ffi::ThreadPool>()                 \
+                                    .Arg<ffi::Buffer<ffi::S32>>()           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()           \
+                                    .Arg<ffi::Buffer<ffi::U32>>()           \
+                                    .RemainingArgs()                        \
+                                    .Ret<ffi::Buffer<ffi::F32>>()           \
+                                    .Ret<ffi::Buffer<ffi::F32>>()           \
+                                    .RemainingRets());
+
+LAZY_OPTAX_SPLIT_RULE(LazyOptaxRowwiseAdagradWithCounter,
+                      RowwiseAdagradCounterRule)
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddRowMaxNorm, AddRowMaxNorm,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::U32>>()
+                                  .Attr<int64_t>("round_bf16")
+                                  .Ret<ffi::AnyBuffer>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddLinear, AddLinear,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("round_bf16")
                                   .Ret<ffi::AnyBuffer>());
