@@ -388,3 +388,51 @@ def test_int32_counter_tables_refuse_other_dtypes_by_position():
       0.1, 0.0, 0.9, 0.1, 0.1, 1e-8, 3.0)
   with pytest.raises(TypeError, match='int32 kernel field'):
     cpu_kernels.pack(target, record)
+
+
+def _counter_words(mode):
+  from lazy_optax._src import rowwise_adagrad_with_counter as counter  # pylint: disable=g-import-not-at-top
+  rule = counter._rule(counter._Config(  # pylint: disable=protected-access
+      eps=1e-8, decay_mode=mode, halflife=-1, adjustment_iter=-1,
+      adjustment_ub=1.0, lr_mode='equal', tail_id_threshold=0.0,
+      threshold_is_ratio=False))
+  assert rule.split_params == (mode != 'l2')
+  return cpu_kernels.pack(rule.kernel, rule.kernel_hyper(
+      dict(count=jnp.int32(3), lr=0.1, wd=0.5, max_counter=1.0)))
+
+
+def test_a_split_rule_kernel_returns_the_update_linear_in_the_weights():
+  # The counter rule's split target takes no weights: it returns the update
+  # as base + keep * w, equal to what its kernel given the weights returns;
+  # an id naming no row gets zeros; in 'l2' mode, whose accumulator sums
+  # (g + wd w)^2, it refuses.
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  target = 'LazyOptaxRowwiseAdagradWithCounter'
+  rng = np.random.default_rng(0)
+  ids = jnp.array([4, 0, 9, 2], jnp.int32)  # 9 names no row
+  g = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
+
+  def tables():
+    return (jnp.full((5,), 0.5, jnp.float32), jnp.ones((5,), jnp.float32),
+            jnp.array([0, 1, 0, 2, 1], jnp.int32))
+
+  words = _counter_words('adagradw')
+  new, u = cpu_kernels.rule(target, ids, g, words, w, tables())
+  split_new, base, keep = cpu_kernels.rule_split(target, ids, g, words,
+                                                 tables())
+  for a, b in zip(new, split_new):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  np.testing.assert_allclose(np.asarray(base + keep[:, None] * w),
+                             np.asarray(u), rtol=1e-6, atol=1e-9)
+  assert float(keep[2]) == 0 and not np.asarray(base[2]).any()
+  # At step 3, row 4 was last updated at step 1 and row 0 never: gaps 2
+  # and 1, so AdagradW decays them by (1 - 0.1 * 0.5) ** gap.
+  np.testing.assert_allclose(np.asarray(keep)[[0, 1]],
+                             [0.95 ** 2 - 1, 0.95 - 1], rtol=1e-6)
+  with pytest.raises(Exception, match='split, for a configuration whose '
+                     'state reads the weights'):
+    jax.block_until_ready(cpu_kernels.rule_split(
+        target, ids, g, _counter_words('l2'), tables()))
+  with pytest.raises(ValueError, match='SPLIT_RULES|must be one of'):
+    cpu_kernels.rule_split('LazyOptaxAdam', ids, g, words, tables())

@@ -500,7 +500,8 @@ def _lazy_blocks(rule: RowRule, rows: dict[str, Any], params: Any,
 
 
 def _decided(rule: RowRule, g: Any, impl: str, context: RowContext,
-             block: Block, blocks: dict[str, Block]) -> Backend:
+             block: Block, blocks: dict[str, Block],
+             params: Any = None) -> Backend:
   """The backend `lazy` decided for this rule's table (or, while it probes,
   the request reported and a stand-in that writes the tables)."""
   if block.backends is None:  # probing: report, and write as 'xla' would
@@ -513,7 +514,8 @@ def _decided(rule: RowRule, g: Any, impl: str, context: RowContext,
     backend = Backend('generic', f'{rule.name} was not seen when lazy(...) '
                       'decided this table', False, Placement('one'))
   reason = backend.reason
-  if _fuses(rule) and backend.kind == 'cpu_kernel':
+  if backend.kind == 'cpu_kernel' and _adds_in_one_pass(rule, g, context,
+                                                        params):
     reason += ('; apply_updates given these very parameters runs it inside '
                'its scatter-add, reading each row once')
   context.record(Choice(block.name, rule.name, backend.kind, reason))
@@ -527,6 +529,19 @@ def _fuses(rule: RowRule) -> bool:
                                         and rule.needs_params)
 
 
+def _adds_in_one_pass(rule: RowRule, g: Any, context: RowContext,
+                      params: Any) -> bool:
+  """Whether `apply_updates` adds the rule's update (on its kernel's path)
+  in one pass: where the `FusedAdd` takes its kernel (`_one_pass`)."""
+  found = context.find(params) if _fuses(rule) else None
+  if found is None:
+    return False
+  table = found[1].table
+  return (row_ops.kernels_for(table, found[1].table_backend)
+          and jnp.dtype(table.dtype) in cpu_kernels.STORAGE_DTYPES
+          and jnp.dtype(g.dtype) in cpu_kernels.STORAGE_DTYPES)
+
+
 def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
               hyper: Any, impl: str, context: Optional[RowContext]
               ) -> tuple[Any, dict[str, Any]]:
@@ -535,7 +550,7 @@ def _one_leaf(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
     return _dense(rule, g, rows, params, hyper)
   context, blocks = found
   block = next(iter(blocks.values()))
-  backend = _decided(rule, g, impl, context, block, blocks)
+  backend = _decided(rule, g, impl, context, block, blocks, params)
   if backend.kind == 'generic':
     return _dense(rule, g, rows, params, hyper)
   if block.backends is None:  # probing: the rows, as if written to tables
