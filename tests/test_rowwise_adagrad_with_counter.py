@@ -203,3 +203,19 @@ def test_l2_mode_reads_the_weights_in_the_kernel():
                                        state, table).values()
   assert choice.impl == 'cpu_kernel', choice
   assert 'scatter-add' not in choice.reason, choice
+
+
+def test_the_step_lowered_for_a_gpu_calls_no_kernel():
+  """The split kernel and the one-pass add are the CPU's: lowered for a
+  GPU, the step takes the rule's XLA path, with no C++ call."""
+  tx = lazy_optax.rowwise_adagrad_with_counter(
+      0.05, weight_decay=0.3, counter_weight_decay_mode='adagradw')
+  table = jnp.asarray(np.random.default_rng(0).normal(size=(N, D)),
+                      jnp.float32)
+  state = tx.init(table)
+  ids, values = jnp.array([1, 4, 1], jnp.int32), jnp.ones((3, D))
+  gpu = jax.export.export(_step(tx), platforms=('cuda',))(table, state, ids,
+                                                         values)
+  text = gpu.mlir_module()
+  assert 'lazy_optax_' not in text and 'custom_call' not in text
+  assert 'stablehlo.scatter' in text
