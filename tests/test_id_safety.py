@@ -8,10 +8,7 @@ every bad argument of `IdTable`, `reset_rows` and `split_ids` is named.
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -19,8 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fork_server
 import lazy_optax
 from lazy_optax._src import id_words
+
+_PRELOADED = ('numpy', 'jax', 'jax.numpy', 'optax', 'lazy_optax')
 
 # One round and no eviction log: the cheapest assign to compile. Each
 # compiled function below is shared, and every batch holds 2 ids.
@@ -112,8 +112,10 @@ def test_under_x64_traced_int64_ids_are_kept_whole():
       print(json.dumps([str(slots.dtype), np.asarray(slots).tolist(),
                         refused]))
   ''')
-  proc = subprocess.run([sys.executable, '-c', code], capture_output=True,
-                        text=True, timeout=300, env=dict(os.environ))
+  # Run as `python -c code` runs it, in a forked child of a process that
+  # imported jax and lazy_optax once (tests/fork_server.py; the preloaded
+  # modules of tests/test_kernel_cache.py's, so one server serves both).
+  (proc,) = fork_server.run_scripts([code], {}, preloaded=_PRELOADED)
   assert proc.returncode == 0, proc.stderr[-3000:]
   dtype, slots, refused = json.loads(proc.stdout.strip().splitlines()[-1])
   assert refused
