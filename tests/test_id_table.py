@@ -28,6 +28,7 @@ import pytest
 import branch_versions
 import eight_devices
 import lazy_optax
+from lazy_optax._src import id_table
 from lazy_optax._src import id_words
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -70,6 +71,10 @@ T8 = lazy_optax.IdTable(capacity=8, probe=4, eviction='lru', eviction_log=3,
 
 @functools.cache
 def _compiled(name):
+  """The table, a jitted assign and a jitted find. The model tests call
+  `table.assign` itself (eagerly: the library's own jitted program for the
+  table and batch shape, which the branch test below shares for 'mixed');
+  the jitted assign takes steps that go back (clamped under jit)."""
   cfg, _ = CONFIGS[name]
   table = lazy_optax.IdTable(eviction_log=LOG, **cfg)
   assign = jax.jit(lambda s, w, step: table.assign(s, w, step=step))
@@ -124,14 +129,15 @@ def _check_invariants(table, state):
 def test_assign_follows_the_model(name, data):
   cfg, n = CONFIGS[name]
   pool, steps, seed = data.draw(_streams(n))
-  table, assign, find = _compiled(name)
+  table, _, find = _compiled(name)
   model = IdTableModel(**cfg)
   rng = np.random.default_rng(seed)
   state, step = table.init(), 0
   for gap, picks in steps:
     step += gap
     ids = np.array([pool[p % len(pool)] for p in picks], np.int64)
-    slots, state, fresh = assign(state, lazy_optax.split_ids(ids), step)
+    slots, state, fresh = table.assign(state, lazy_optax.split_ids(ids),
+                                       step=step)
     want, want_fresh = model.assign(ids, step)
     np.testing.assert_array_equal(np.asarray(slots), want)
     assert _fresh_map(table, fresh) == want_fresh
@@ -158,12 +164,23 @@ def test_assign_follows_the_model(name, data):
 @functools.cache
 def _xla_assigns(name):
   """XLA's assign traced twice: with the skipping `lax.cond`s (the CPU's
-  lowering) and with the branch-free versions (GPU's and TPU's)."""
+  lowering) and with the branch-free versions (GPU's and TPU's).
+
+  Under `ttl` the CPU runs XLA's path (no kernel): the skipping version is
+  then the library's own jitted assign, the program that `table.assign`
+  runs in test_assign_follows_the_model (the same program: compiled once,
+  then read from the run's compilation cache)."""
   cfg, n = CONFIGS[name]
   table = lazy_optax.IdTable(eviction_log=LOG, **cfg)
   args = (table.init(), jnp.zeros((n, 2), jnp.uint32), jnp.int32(0))
   out = {}
   for branch_free in (False, True):
+    if table.ttl is not None and not branch_free:
+      lowered = id_table._assign_jit.lower(table, *args)
+      compiled = lowered.compile()
+      out[branch_free] = (lambda *a, c=compiled: c(*a),
+                          lowered.as_text().count('stablehlo.case'))
+      continue
     with branch_versions.forced(branch_free):
       fn = jax.jit(lambda s, w, now: table._assign_xla(s, w, now))
       lowered = fn.lower(*args)
@@ -217,7 +234,7 @@ def test_branch_free_assign_equals_the_skipping_one_and_the_model(name, data):
 @given(data=st.data())
 def test_batch_order_and_duplicates_do_not_change_the_mapping(data):
   cfg, n = CONFIGS['crowded']
-  _, assign, _ = _compiled('crowded')
+  table, _, _ = _compiled('crowded')
   pool, steps, seed = data.draw(_streams(n))
   rng = np.random.default_rng(seed)
   a = b = lazy_optax.IdTable(eviction_log=LOG, **cfg).init()
@@ -225,8 +242,8 @@ def test_batch_order_and_duplicates_do_not_change_the_mapping(data):
     ids = np.array([pool[p % len(pool)] for p in picks], np.int64)
     ids[-1] = ids[0]                       # a duplicate, at least
     perm = rng.permutation(ids)
-    slots_a, a, _ = assign(a, lazy_optax.split_ids(ids), k)
-    slots_b, b, _ = assign(b, lazy_optax.split_ids(perm), k)
+    slots_a, a, _ = table.assign(a, lazy_optax.split_ids(ids), step=k)
+    slots_b, b, _ = table.assign(b, lazy_optax.split_ids(perm), step=k)
     map_a = dict(zip(ids.tolist(), np.asarray(slots_a).tolist()))
     map_b = dict(zip(perm.tolist(), np.asarray(slots_b).tolist()))
     assert {x: map_a[x] for x in map_b} == map_b
@@ -255,9 +272,9 @@ def test_an_id_seen_every_step_keeps_its_slot(data):
 
 
 def test_find_never_inserts_or_moves_anything():
-  table, assign, find = _compiled('ttl')
+  table, _, find = _compiled('ttl')
   ids = np.array([5, 6, 7, 8] * 3, np.int64)
-  _, state, _ = assign(table.init(), lazy_optax.split_ids(ids), 0)
+  _, state, _ = table.assign(table.init(), lazy_optax.split_ids(ids), step=0)
   before = jax.tree.map(np.asarray, state)
   # Six probes (the three twice), the shape the model test's find runs.
   slots = find(state, lazy_optax.split_ids(np.array([5, 9, 2 ** 60] * 2)))
@@ -266,7 +283,8 @@ def test_find_never_inserts_or_moves_anything():
   after = jax.tree.map(np.asarray, state)
   jax.tree.map(np.testing.assert_array_equal, before, after)
   # find is read-only even under ttl: an id past its ttl reads as absent.
-  _, state, _ = assign(state, lazy_optax.split_ids(np.array([9] * 12)), 4)
+  _, state, _ = table.assign(state, lazy_optax.split_ids(np.array([9] * 12)),
+                             step=4)
   assert int(find(state, lazy_optax.split_ids(np.array([5] * 6)))[0]) == (
       table.capacity)
 
