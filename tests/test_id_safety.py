@@ -11,12 +11,12 @@ import json
 import re
 import textwrap
 
+import fork_server
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import fork_server
 import lazy_optax
 from lazy_optax._src import id_words
 
