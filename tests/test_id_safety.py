@@ -8,12 +8,10 @@ every bad argument of `IdTable`, `reset_rows` and `split_ids` is named.
 """
 
 import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
+import fork_server
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -21,6 +19,8 @@ import pytest
 
 import lazy_optax
 from lazy_optax._src import id_words
+
+_PRELOADED = ('numpy', 'jax', 'jax.numpy', 'optax', 'lazy_optax')
 
 # One round and no eviction log: the cheapest assign to compile. Each
 # compiled function below is shared, and every batch holds 2 ids.
@@ -31,6 +31,9 @@ ASSIGN_WORDS = jax.jit(lambda s, w: TABLE.assign(s, w, step=0))
 ASSIGN_32 = jax.jit(lambda s, i: TABLE.assign(s, i, step=0,
                                               ids_are_32bit=True))
 FIND = jax.jit(TABLE.find)
+# A table of 8 slots (one window), shared by two tests below with batches
+# of 2 ids: its assign is traced once.
+SMALL = lazy_optax.IdTable(capacity=8, rounds=1, eviction_log=0)
 
 
 # -- 1. no silent collision ---------------------------------------------------
@@ -112,8 +115,10 @@ def test_under_x64_traced_int64_ids_are_kept_whole():
       print(json.dumps([str(slots.dtype), np.asarray(slots).tolist(),
                         refused]))
   ''')
-  proc = subprocess.run([sys.executable, '-c', code], capture_output=True,
-                        text=True, timeout=300, env=dict(os.environ))
+  # Run as `python -c code` runs it, in a forked child of a process that
+  # imported jax and lazy_optax once (tests/fork_server.py; the preloaded
+  # modules of tests/test_kernel_cache.py's, so one server serves both).
+  (proc,) = fork_server.run_scripts([code], {}, preloaded=_PRELOADED)
   assert proc.returncode == 0, proc.stderr[-3000:]
   dtype, slots, refused = json.loads(proc.stdout.strip().splitlines()[-1])
   assert refused
@@ -151,7 +156,7 @@ def test_a_small_capacity_takes_the_default_probe():
   assert lazy_optax.IdTable(capacity=8).probe == 8
   assert lazy_optax.IdTable(capacity=100).probe == 16
   # One window of 8 slots: a round places one id there (the smallest).
-  table = lazy_optax.IdTable(capacity=8, rounds=1, eviction_log=0)
+  table = SMALL
   assert table.probe == 8
   slots, _, _ = table.assign(table.init(), np.array([12, 10]), step=0)
   assert np.asarray(slots).tolist() == [8, 0]
@@ -217,8 +222,8 @@ def test_bad_split_ids_arguments_are_named(bad, error, match):
 @pytest.mark.parametrize('rows', [6, 9])
 def test_reset_rows_refuses_a_table_of_another_size_at_trace_time(rows):
   tx = lazy_optax.lazy_adam(0.1)
-  table = lazy_optax.IdTable(capacity=8)
-  words = lazy_optax.split_ids(np.arange(100, 108))
+  table = SMALL                      # capacity 8, 2 ids: a shared trace
+  words = lazy_optax.split_ids(np.array([100, 101]))
 
   def step(params, opt_state, id_state):
     _, id_state, fresh = table.assign(id_state, words, step=0)

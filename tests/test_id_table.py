@@ -14,8 +14,6 @@ import functools
 import json
 import os
 import re
-import subprocess
-import sys
 
 from hypothesis import given
 from hypothesis import HealthCheck
@@ -28,7 +26,9 @@ import numpy as np
 import pytest
 
 import branch_versions
+import eight_devices
 import lazy_optax
+from lazy_optax._src import id_table
 from lazy_optax._src import id_words
 
 _HEALTH = [HealthCheck.too_slow, HealthCheck.data_too_large]
@@ -71,6 +71,10 @@ T8 = lazy_optax.IdTable(capacity=8, probe=4, eviction='lru', eviction_log=3,
 
 @functools.cache
 def _compiled(name):
+  """The table, a jitted assign and a jitted find. The model tests call
+  `table.assign` itself (eagerly: the library's own jitted program for the
+  table and batch shape, which the branch test below shares for 'mixed');
+  the jitted assign takes steps that go back (clamped under jit)."""
   cfg, _ = CONFIGS[name]
   table = lazy_optax.IdTable(eviction_log=LOG, **cfg)
   assign = jax.jit(lambda s, w, step: table.assign(s, w, step=step))
@@ -125,14 +129,15 @@ def _check_invariants(table, state):
 def test_assign_follows_the_model(name, data):
   cfg, n = CONFIGS[name]
   pool, steps, seed = data.draw(_streams(n))
-  table, assign, find = _compiled(name)
+  table, _, find = _compiled(name)
   model = IdTableModel(**cfg)
   rng = np.random.default_rng(seed)
   state, step = table.init(), 0
   for gap, picks in steps:
     step += gap
     ids = np.array([pool[p % len(pool)] for p in picks], np.int64)
-    slots, state, fresh = assign(state, lazy_optax.split_ids(ids), step)
+    slots, state, fresh = table.assign(state, lazy_optax.split_ids(ids),
+                                       step=step)
     want, want_fresh = model.assign(ids, step)
     np.testing.assert_array_equal(np.asarray(slots), want)
     assert _fresh_map(table, fresh) == want_fresh
@@ -159,12 +164,23 @@ def test_assign_follows_the_model(name, data):
 @functools.cache
 def _xla_assigns(name):
   """XLA's assign traced twice: with the skipping `lax.cond`s (the CPU's
-  lowering) and with the branch-free versions (GPU's and TPU's)."""
+  lowering) and with the branch-free versions (GPU's and TPU's).
+
+  Under `ttl` the CPU runs XLA's path (no kernel): the skipping version is
+  then the library's own jitted assign, the program that `table.assign`
+  runs in test_assign_follows_the_model (the same program: compiled once,
+  then read from the run's compilation cache)."""
   cfg, n = CONFIGS[name]
   table = lazy_optax.IdTable(eviction_log=LOG, **cfg)
   args = (table.init(), jnp.zeros((n, 2), jnp.uint32), jnp.int32(0))
   out = {}
   for branch_free in (False, True):
+    if table.ttl is not None and not branch_free:
+      lowered = id_table._assign_jit.lower(table, *args)
+      compiled = lowered.compile()
+      out[branch_free] = (lambda *a, c=compiled: c(*a),
+                          lowered.as_text().count('stablehlo.case'))
+      continue
     with branch_versions.forced(branch_free):
       fn = jax.jit(lambda s, w, now: table._assign_xla(s, w, now))
       lowered = fn.lower(*args)
@@ -218,7 +234,7 @@ def test_branch_free_assign_equals_the_skipping_one_and_the_model(name, data):
 @given(data=st.data())
 def test_batch_order_and_duplicates_do_not_change_the_mapping(data):
   cfg, n = CONFIGS['crowded']
-  _, assign, _ = _compiled('crowded')
+  table, _, _ = _compiled('crowded')
   pool, steps, seed = data.draw(_streams(n))
   rng = np.random.default_rng(seed)
   a = b = lazy_optax.IdTable(eviction_log=LOG, **cfg).init()
@@ -226,8 +242,8 @@ def test_batch_order_and_duplicates_do_not_change_the_mapping(data):
     ids = np.array([pool[p % len(pool)] for p in picks], np.int64)
     ids[-1] = ids[0]                       # a duplicate, at least
     perm = rng.permutation(ids)
-    slots_a, a, _ = assign(a, lazy_optax.split_ids(ids), k)
-    slots_b, b, _ = assign(b, lazy_optax.split_ids(perm), k)
+    slots_a, a, _ = table.assign(a, lazy_optax.split_ids(ids), step=k)
+    slots_b, b, _ = table.assign(b, lazy_optax.split_ids(perm), step=k)
     map_a = dict(zip(ids.tolist(), np.asarray(slots_a).tolist()))
     map_b = dict(zip(perm.tolist(), np.asarray(slots_b).tolist()))
     assert {x: map_a[x] for x in map_b} == map_b
@@ -256,9 +272,9 @@ def test_an_id_seen_every_step_keeps_its_slot(data):
 
 
 def test_find_never_inserts_or_moves_anything():
-  table, assign, find = _compiled('ttl')
+  table, _, find = _compiled('ttl')
   ids = np.array([5, 6, 7, 8] * 3, np.int64)
-  _, state, _ = assign(table.init(), lazy_optax.split_ids(ids), 0)
+  _, state, _ = table.assign(table.init(), lazy_optax.split_ids(ids), step=0)
   before = jax.tree.map(np.asarray, state)
   # Six probes (the three twice), the shape the model test's find runs.
   slots = find(state, lazy_optax.split_ids(np.array([5, 9, 2 ** 60] * 2)))
@@ -267,7 +283,8 @@ def test_find_never_inserts_or_moves_anything():
   after = jax.tree.map(np.asarray, state)
   jax.tree.map(np.testing.assert_array_equal, before, after)
   # find is read-only even under ttl: an id past its ttl reads as absent.
-  _, state, _ = assign(state, lazy_optax.split_ids(np.array([9] * 12)), 4)
+  _, state, _ = table.assign(state, lazy_optax.split_ids(np.array([9] * 12)),
+                             step=4)
   assert int(find(state, lazy_optax.split_ids(np.array([5] * 6)))[0]) == (
       table.capacity)
 
@@ -338,17 +355,24 @@ def test_checked_mode_reports_a_full_table():
 
 
 def test_traced_invalid_ids_get_no_row_and_change_nothing():
-  table = lazy_optax.IdTable(capacity=8, probe=4)
+  # T8 and batches of 4 ids, as the eager tests above: the inner assign's
+  # trace for that table and shape is reused (5 repeated, to make 4).
+  table = T8
   assign = jax.jit(lambda s, ids: table.assign(s, ids, step=0,
                                                 ids_are_32bit=True))
-  slots, state, fresh = assign(table.init(),
-                               jax.device_put(np.array([-3, 5, -1], np.int32)))
-  assert np.asarray(slots).tolist()[0::2] == [8, 8]
+  slots, state, fresh = assign(
+      table.init(), jax.device_put(np.array([-3, 5, -1, 5], np.int32)))
+  slots = np.asarray(slots).tolist()
+  assert slots[0::2] == [8, 8] and slots[1] == slots[3] < 8
   assert int(state.live) == 1
   assert int((np.asarray(fresh.slots) < 8).sum()) == 1
-  words = jax.device_put(np.array([[2 ** 31, 0], [0, 7]], np.uint32))
+  # A high word past 2**31 - 1 (an id past 2**63 - 1): no row; the valid
+  # ids (7 twice) get one.
+  words = jax.device_put(np.array([[2 ** 31, 0], [0, 7], [2 ** 31 + 5, 7],
+                                   [0, 7]], np.uint32))
   slots = jax.jit(lambda s, w: table.assign(s, w, step=1)[0])(state, words)
-  assert int(slots[0]) == 8 and int(slots[1]) < 8
+  slots = np.asarray(slots).tolist()
+  assert slots[0] == slots[2] == 8 and slots[1] == slots[3] < 8
 
 
 def test_split_ids_round_trips_64_bit_ids():
@@ -425,16 +449,16 @@ def test_bad_steps_and_states():
 def test_sharded_over_8_devices_equals_one_device():
   # Auto axes: the whole hashed train step; Explicit axes: assign,
   # reset_rows and the lazy update. Same slots, counters and id state as on
-  # one device, parameters to float32 rounding, shardings kept.
-  script = os.path.join(os.path.dirname(__file__), 'id_table_sharded_checks.py')
-  env = dict(os.environ)
-  env['XLA_FLAGS'] = (env.get('XLA_FLAGS', '')
-                      + ' --xla_force_host_platform_device_count=8')
-  env.pop('JAX_ENABLE_X64', None)
-  proc = subprocess.run([sys.executable, script], env=env,
-                        capture_output=True, text=True, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  out = json.loads(proc.stdout.strip().splitlines()[-1])
+  # one device, parameters to float32 rounding, shardings kept. The check
+  # (id_table_sharded_checks.main) runs in a fresh 8-device process: a
+  # forked child of tests/eight_devices.py's server, which imported jax
+  # once for every such check (a failed check raises here, with its
+  # traceback).
+  _, printed = eight_devices.call('id_table_sharded_checks', 'main',
+                                  with_stdout=True)
+  out = json.loads(printed.strip().splitlines()[-1])
+  assert set(out) == {str(jax.sharding.AxisType.Auto),
+                      str(jax.sharding.AxisType.Explicit)}, out
   for run in out.values():
     # Victims were met (evicted, or kept by the frequency guard), ids expired.
     stats = run['stats']

@@ -115,9 +115,9 @@ def test_kernel_equals_the_xla_path_and_the_model(name, data):
     now = np.int32(step)
     # Each path gets its own copy: the kernel updates its state in place.
     # (A host copy put back with device_put compiles nothing; jnp.copy
-    # compiles a small program per leaf shape.)
-    want = xla(jax.tree.map(lambda x: jax.device_put(np.array(x)), state),
-               words, now)
+    # compiles a small program per leaf shape. One device_put of the whole
+    # tree: one batched transfer, not one call per leaf.)
+    want = xla(jax.device_put(jax.tree.map(np.array, state)), words, now)
     got = kernel(state, words, now)
     _assert_same(got, want)
     slots, state, fresh, _ = got

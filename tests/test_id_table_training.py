@@ -32,6 +32,10 @@ LR = 0.05
 W = np.array([0.5, -1.0, 0.25, 2.0])
 INIT = jax.nn.initializers.uniform(0.2)
 KEY = jax.random.key(7)
+# The initial rows `reset_rows` must give (the rule of
+# `reset_rows.fresh_rows`), jitted: one small program per batch shape,
+# not a dozen eager ops each compiled for it.
+FRESH_ROWS = jax.jit(reset_module.fresh_rows, static_argnums=(0, 3, 4, 5))
 
 
 def _stream(steps, universe=300, seed=0):
@@ -76,7 +80,7 @@ def test_1000_steps_equal_the_float64_model_of_policy_and_rule():
 
   # Each id's initial row, computed once per distinct id from its raw id.
   distinct = np.unique(ids)
-  rows0 = np.asarray(reset_module.fresh_rows(
+  rows0 = np.asarray(FRESH_ROWS(
       INIT, KEY, jax.device_put(lazy_optax.split_ids(distinct)), (D,),
       jnp.float32, 'emb'), np.float64)
   start = dict(zip(distinct.tolist(), rows0))
@@ -125,7 +129,7 @@ def test_a_returning_evicted_id_starts_fresh():
       params, opt_state, id_state, lazy_optax.split_ids(batch),
       np.ones(N, np.float32), 0)
   first = int(slots[0])
-  row0 = np.asarray(reset_module.fresh_rows(INIT, KEY, jax.device_put(
+  row0 = np.asarray(FRESH_ROWS(INIT, KEY, jax.device_put(
       lazy_optax.split_ids(np.array([x]))), (D,), jnp.float32, 'emb'))[0]
   assert not np.allclose(np.asarray(params['emb'])[first], row0)  # trained
   # Four other ids take every slot; x is evicted.
@@ -195,9 +199,8 @@ def test_reset_rows_gives_what_init_gives_a_fresh_row(name):
       tx, p, state, {'emb': fresh}, init=INIT, key=KEY)
   reset = np.array([3, 7])
   kept = np.setdiff1d(np.arange(10), reset)
-  row_init = reset_module.fresh_rows(
-      INIT, KEY, fresh.ids, (4,), jnp.float32, 'emb')
-  row_init = np.asarray(row_init)
+  row_init = np.asarray(FRESH_ROWS(INIT, KEY, fresh.ids, (4,), jnp.float32,
+                                  'emb'))
   np.testing.assert_array_equal(np.asarray(new_p['emb'])[reset],
                                 row_init[np.array([0, 2])])
   np.testing.assert_array_equal(np.asarray(new_p['emb'])[kept],
@@ -263,21 +266,26 @@ def test_reset_rows_keys_rows_by_raw_id_and_table():
   tx = lazy_optax.lazy_adam(0.1)
   state = tx.init(params)
   x = 2 ** 45 + 3
+  normal = jax.nn.initializers.normal(1.0)   # one initializer: one program
   p, _ = lazy_optax.reset_rows(
       tx, params, state, {'a': _fresh([1, 6], np.array([x, 9]), 6),
                           'b': _fresh([4, 6], np.array([x, 9]), 6)},
-      init=jax.nn.initializers.normal(1.0), key=KEY)
+      init=normal, key=KEY)
+  # The same tables and batch shapes as above (one compiled reset): x
+  # takes slot 5 of 'a'; 9, and every id of 'b', get no row (slot 6).
   q, _ = lazy_optax.reset_rows(
-      tx, params, state, {'a': _fresh([5], np.array([x]), 6)},
-      init=jax.nn.initializers.normal(1.0), key=KEY)
+      tx, params, state, {'a': _fresh([5, 6], np.array([x, 9]), 6),
+                          'b': _fresh([6, 6], np.array([x, 9]), 6)},
+      init=normal, key=KEY)
   pa, pb, qa = np.asarray(p['a']), np.asarray(p['b']), np.asarray(q['a'])
   np.testing.assert_array_equal(pa[1], qa[5])            # same id, same row
+  assert not np.asarray(q['b']).any()                    # no row reset
   assert not np.allclose(pa[1], pb[4])                   # another table
   # Rows look like draws of the initializer: many ids, mean 0, std 1.
   many = np.arange(4000, dtype=np.int64) * 1000003
-  rows = np.asarray(reset_module.fresh_rows(
-      jax.nn.initializers.normal(1.0), KEY,
-      jax.device_put(lazy_optax.split_ids(many)), (8,), jnp.float32, 'a'))
+  rows = np.asarray(FRESH_ROWS(
+      normal, KEY, jax.device_put(lazy_optax.split_ids(many)), (8,),
+      jnp.float32, 'a'))
   assert abs(rows.mean()) < 0.02 and abs(rows.std() - 1) < 0.02
   corr = np.corrcoef(rows[:, 0], rows[:, 1])[0, 1]
   assert abs(corr) < 0.05
@@ -351,8 +359,8 @@ def test_reset_rows_in_chunks_equals_one_branch_free_reset(share):
     assert ('stablehlo.case' in text) != branch_free
   jax.tree.map(np.testing.assert_array_equal, out[False], out[True])
   new_p, new_state = out[True]
-  rows = np.asarray(reset_module.fresh_rows(INIT, KEY, fresh.ids, (8,),
-                                            jnp.float32, 'emb'))
+  rows = np.asarray(FRESH_ROWS(INIT, KEY, fresh.ids, (8,), jnp.float32,
+                              'emb'))
   kept = np.setdiff1d(np.arange(cap), slots[chosen])
   np.testing.assert_array_equal(np.asarray(new_p['emb'])[slots[chosen]],
                                 rows[chosen])
