@@ -64,13 +64,49 @@ def _initial(case, name, dtype):
 
 # -- the rule ----------------------------------------------------------------
 
+# The tests of one configuration on a table of NUM_ROWS rows of D values and
+# batches of 16 ids, eager or jitted (test_rule_matches_float64_model,
+# test_empty_batches_change_nothing_but_the_count,
+# test_every_row_touched_once_equals_dense) run on one worker (a group per
+# configuration): the library's eager operations on those shapes compile
+# once, and the jitted runs share one optimizer object and its donated step.
+def _by_rule(cases):
+  return [pytest.param(case, id=case.name,
+                       marks=pytest.mark.xdist_group(f'rule {case.name}'))
+          for case in cases]
+
+
+_RULE_STEPS = {}
+
+
+def _rule_step(case):
+  """The configuration's shared optimizer and its jitted, donated step."""
+  if case.name not in _RULE_STEPS:
+    tx = case.make()
+    _RULE_STEPS[case.name] = tx, jax.jit(sparse_step(tx, NUM_ROWS),
+                                         donate_argnums=(0, 1))
+  return _RULE_STEPS[case.name]
+
+
+def _run_rule(case, table, data, jit):
+  """`run(case.make(), table, data, jit=jit)`, jitted with the shared step."""
+  if not jit:
+    return run(case.make(), table, data, jit=False)
+  tx, step = _rule_step(case)
+  params = {'table': jnp.asarray(table, jnp.float32)}
+  state = tx.init(params)
+  for batch in data:
+    params, state = step(params, state, *jax.device_put(batch))
+  return params, state
+
+
 @pytest.mark.parametrize('jit', [False, True])
-@pytest.mark.parametrize('case', RULE_CASES, ids=str)
+@pytest.mark.parametrize('case', _by_rule(RULE_CASES))
 def test_rule_matches_float64_model(case, jit):
   table = table_for(case)
   data = batches(1, NUM_ROWS, (D,), steps=case.steps, n_ids=16)
   model = run_model(case, table, data)
-  params, state = run(case.make(), table, data, jit=jit)
+  params, state = _run_rule(case, table, data, jit)
   assert_matches_model(case, params, state, model)
   assert count_of(state) == case.steps
   # Absent rows: table and every slot bit for bit as they started.
@@ -326,7 +362,7 @@ def test_out_of_range_ids_under_jit_touch_nothing(name, make_tx):
 
 
 @pytest.mark.parametrize('jit', [False, True])
-@each_case
+@pytest.mark.parametrize('case', _by_rule(CASES))
 def test_empty_batches_change_nothing_but_the_count(case, jit):
   # The table and non-empty batches have the shapes of
   # test_rule_matches_float64_model's (NUM_ROWS rows, 16 ids): eagerly, the
@@ -338,24 +374,30 @@ def test_empty_batches_change_nothing_but_the_count(case, jit):
           # Both non-empty batches: rows 4 and 1, rows 6 and 1, each id
           # repeated (one jitted program for both).
           for ids in ([], [4, 4, 1], [], [6, 1, 6], [])]
-  tx = case.make()
+  # Jitted: the rule test's step (donated), and a second program for the
+  # empty batches.
+  if jit:
+    tx, step = _rule_step(case)
+  else:
+    tx = case.make()
+    step = sparse_step(tx, NUM_ROWS)
   params = {'table': jnp.asarray(table, jnp.float32)}
   state = tx.init(params)
-  step = sparse_step(tx, NUM_ROWS)
-  if jit:
-    step = jax.jit(step)
   for t, (ids, values) in enumerate(data, start=1):
-    new_params, new_state = step(params, state,
-                                 *jax.device_put((ids, values)))
     if t == 1:  # the update of an empty batch is still row-sparse
       u, _ = tx.update({'table': SparseRows(ids, values, NUM_ROWS)}, state,
                        params)
       assert isinstance(u['table'], SparseRows) and u['table'].num_ids == 0
+    # Copies: the jitted step consumes (donates) its inputs.
+    old_params, old_state = jax.tree.map(np.array, (params, state))
+    new_params, new_state = step(params, state,
+                                 *jax.device_put((ids, values)))
     if not len(ids):
-      np.testing.assert_array_equal(new_params['table'], params['table'])
+      np.testing.assert_array_equal(new_params['table'], old_params['table'])
       for s in case.slots:
         np.testing.assert_array_equal(slot(new_state, s.name),
-                                      slot(state, s.name), err_msg=s.name)
+                                      slot(old_state, s.name),
+                                      err_msg=s.name)
     assert count_of(new_state) == t
     params, state = new_params, new_state
   # An empty batch counts as a step (the bias correction sees it).
@@ -405,7 +447,7 @@ def _apply(tx, params, state, grads):
   return lazy_optax.apply_updates(params, updates), state
 
 
-@pytest.mark.parametrize('case', RULE_CASES, ids=str)
+@pytest.mark.parametrize('case', _by_rule(RULE_CASES))
 def test_every_row_touched_once_equals_dense(case):
   # Eager, on rows of D values, 16 rows in each batch (the rows'
   # operations have the shapes of test_rule_matches_float64_model's eager
