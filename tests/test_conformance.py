@@ -64,12 +64,13 @@ def _initial(case, name, dtype):
 
 # -- the rule ----------------------------------------------------------------
 
-# The tests of one configuration on a table of NUM_ROWS rows of D values and
-# batches of 16 ids, eager or jitted (test_rule_matches_float64_model,
-# test_empty_batches_change_nothing_but_the_count,
-# test_every_row_touched_once_equals_dense) run on one worker (a group per
-# configuration): the library's eager operations on those shapes compile
-# once, and the jitted runs share one optimizer object and its donated step.
+# The tests of one configuration with batches of 16 ids of D values, eager
+# or jitted (test_rule_matches_float64_model and
+# test_empty_batches_change_nothing_but_the_count on tables of NUM_ROWS rows,
+# test_every_row_touched_once_equals_dense on 16 rows) run on one worker (a
+# group per configuration): the library's eager operations on those shapes
+# compile once, and the jitted runs share one optimizer object and its
+# donated step.
 def _by_rule(cases):
   return [pytest.param(case, id=case.name,
                        marks=pytest.mark.xdist_group(f'rule {case.name}'))
@@ -449,9 +450,9 @@ def _apply(tx, params, state, grads):
 
 @pytest.mark.parametrize('case', _by_rule(RULE_CASES))
 def test_every_row_touched_once_equals_dense(case):
-  # Eager, on rows of D values, 16 rows in each batch (the rows'
-  # operations have the shapes of test_rule_matches_float64_model's eager
-  # ones); the data built in NumPy.
+  # Eager, on 16 rows of D values, each named once by a batch of 16 ids
+  # (the operations on the batch's rows have the shapes of
+  # test_rule_matches_float64_model's eager ones); data built in NumPy.
   rng = np.random.default_rng(3)
   table = jax.device_put(
       (case.table_scale * rng.normal(size=(16, D))).astype(np.float32))
