@@ -64,13 +64,50 @@ def _initial(case, name, dtype):
 
 # -- the rule ----------------------------------------------------------------
 
+# The tests of one configuration with batches of 16 ids of D values, eager
+# or jitted (test_rule_matches_float64_model and
+# test_empty_batches_change_nothing_but_the_count on tables of NUM_ROWS rows,
+# test_every_row_touched_once_equals_dense on 16 rows) run on one worker (a
+# group per configuration): the library's eager operations on those shapes
+# compile once, and the jitted runs share one optimizer object and its
+# donated step.
+def _by_rule(cases):
+  return [pytest.param(case, id=case.name,
+                       marks=pytest.mark.xdist_group(f'rule {case.name}'))
+          for case in cases]
+
+
+_RULE_STEPS = {}
+
+
+def _rule_step(case):
+  """The configuration's shared optimizer and its jitted, donated step."""
+  if case.name not in _RULE_STEPS:
+    tx = case.make()
+    _RULE_STEPS[case.name] = tx, jax.jit(sparse_step(tx, NUM_ROWS),
+                                         donate_argnums=(0, 1))
+  return _RULE_STEPS[case.name]
+
+
+def _run_rule(case, table, data, jit):
+  """`run(case.make(), table, data, jit=jit)`, jitted with the shared step."""
+  if not jit:
+    return run(case.make(), table, data, jit=False)
+  tx, step = _rule_step(case)
+  params = {'table': jnp.asarray(table, jnp.float32)}
+  state = tx.init(params)
+  for batch in data:
+    params, state = step(params, state, *jax.device_put(batch))
+  return params, state
+
+
 @pytest.mark.parametrize('jit', [False, True])
-@pytest.mark.parametrize('case', RULE_CASES, ids=str)
+@pytest.mark.parametrize('case', _by_rule(RULE_CASES))
 def test_rule_matches_float64_model(case, jit):
   table = table_for(case)
   data = batches(1, NUM_ROWS, (D,), steps=case.steps, n_ids=16)
   model = run_model(case, table, data)
-  params, state = run(case.make(), table, data, jit=jit)
+  params, state = _run_rule(case, table, data, jit)
   assert_matches_model(case, params, state, model)
   assert count_of(state) == case.steps
   # Absent rows: table and every slot bit for bit as they started.
@@ -100,26 +137,31 @@ def _with_out_of_range(data, num_rows, row_shape):
                   rng.normal(size=(n, *row_shape)).astype(np.float32))]
 
 
+def _shapes(tree):
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
 def _run_compiled(tx, table, data, dtype=jnp.float32):
   """`run(tx, table, data, dtype=dtype)`, its step compiled once, ahead of
-  time, for the batches' one shape; returns (params, state, HLO text)."""
+  time, for the batches' one shape; returns (params, state, HLO text, the
+  shapes and dtypes of the initial params and state)."""
   params = {'table': jnp.asarray(table, dtype)}
   state = tx.init(params)
-  args = (jnp.asarray(data[0][0]), jnp.asarray(data[0][1]))
+  initial = _shapes((params, state))  # before donation deletes them
+  args = jax.device_put(data[0])
   step = jax.jit(sparse_step(tx, table.shape[0]), donate_argnums=(0, 1))
   compiled = step.lower(params, state, *args).compile()
   for ids, values in data:
-    params, state = compiled(params, state, jnp.asarray(ids),
-                             jnp.asarray(values))
-  return params, state, compiled.as_text()
+    params, state = compiled(params, state, *jax.device_put((ids, values)))
+  return params, state, compiled.as_text(), initial
 
 
-def _assert_implementation_runs(case, tx, params, state, data, program):
-  """`explain_update` and the compiled step (HLO text `program`) say
-  `case.impl` runs."""
+def _assert_implementation_runs(case, tx, initial, data, program):
+  """`explain_update` (on the initial params and state's shapes) and the
+  compiled step (HLO text `program`) say `case.impl` runs."""
+  params, state = initial
   ids, values = data[0]
-  grads = {'table': SparseRows(jnp.asarray(ids), jnp.asarray(values),
-                               NUM_ROWS)}
+  grads = {'table': SparseRows(*jax.device_put((ids, values)), NUM_ROWS)}
   choice = lazy_optax.explain_update(tx, grads, state, params)['table']
   assert choice.impl == case.impl, choice
   name = ''.join(w.capitalize() for w in choice.rule.split('_'))
@@ -163,11 +205,9 @@ def test_each_implementation_matches_the_model_and_generic(case):
   data = _with_out_of_range(
       batches(1, NUM_ROWS, (D,), steps=case.steps, n_ids=16), NUM_ROWS, (D,))
   tx = case.make()
-  params, state, program = _run_compiled(tx, table, data)
+  params, state, program, initial = _run_compiled(tx, table, data)
   # explain_update sees the initial state (its shapes and dtypes).
-  params0 = {'table': jnp.asarray(table, jnp.float32)}
-  _assert_implementation_runs(case, tx, params0, tx.init(params0), data,
-                              program)
+  _assert_implementation_runs(case, tx, initial, data, program)
   assert_matches_model(case, params, state, run_model(case, table, data))
   rows = untouched(data, NUM_ROWS)
   assert rows.size > 5
@@ -209,10 +249,9 @@ def test_each_implementation_of_16bit_tables_and_states_equals_generic(case,
     return case.fn(case.lr, **{**case.kwargs, **config.kwargs, 'impl': impl})
 
   tx = make(case.impl)
-  params, state, program = _run_compiled(tx, table, data, config.table)
-  params0 = {'table': jnp.asarray(table, config.table)}
-  _assert_implementation_runs(case, tx, params0, tx.init(params0), data,
-                              program)
+  params, state, program, initial = _run_compiled(tx, table, data,
+                                                  config.table)
+  _assert_implementation_runs(case, tx, initial, data, program)
   generic = _generic_run((_configuration(case), i), lambda: make('generic'),
                          table, data, config.table)
   rows = untouched(data, NUM_ROWS)
@@ -231,7 +270,34 @@ def test_each_implementation_of_16bit_tables_and_states_equals_generic(case,
       np.asarray(jnp.asarray(table, config.table), np.float32)[rows])
 
 
-@each_case
+# One optimizer object and its jitted step per configuration, shared by
+# test_duplicates_are_summed_before_the_update and
+# test_out_of_range_ids_under_jit_touch_nothing (tables of ten rows, batches
+# of six ids): the step is traced and compiled once for both (kept on one
+# worker, a group per configuration).
+_TEN_ROWS = {}
+
+
+def _ten_rows_run(name, make_tx, table, data):
+  """`run(tx, table, data)` with the configuration's shared `tx` and step."""
+  if name not in _TEN_ROWS:
+    tx = make_tx()
+    _TEN_ROWS[name] = tx, jax.jit(sparse_step(tx, 10), donate_argnums=(0, 1))
+  tx, step = _TEN_ROWS[name]
+  params = {'table': jnp.asarray(table, jnp.float32)}
+  state = tx.init(params)
+  for batch in data:
+    params, state = step(params, state, *jax.device_put(batch))
+  return params, state
+
+
+def _ten_rows_group(name):
+  return pytest.mark.xdist_group(f'ten rows {name}')
+
+
+@pytest.mark.parametrize('case', [
+    pytest.param(case, id=case.name, marks=_ten_rows_group(case.name))
+    for case in CASES])
 def test_duplicates_are_summed_before_the_update(case):
   table = table_for(case, seed=2, num_rows=10)
   rng = np.random.default_rng(3)
@@ -243,9 +309,8 @@ def test_duplicates_are_summed_before_the_update(case):
   summed = [(np.array([3, 7, 10, -1, 12, -4], np.int32),
              np.stack([g[0] + g[2] + g[3] + g[5], g[1] + g[4], g[1], g[0],
                        g[2], g[3]]))]
-  tx = case.make()
-  p_rep, s_rep = run(tx, table, repeated)
-  p_sum, s_sum = run(tx, table, summed)
+  p_rep, s_rep = _ten_rows_run(case.name, case.make, table, repeated)
+  p_sum, s_sum = _ten_rows_run(case.name, case.make, table, summed)
   np.testing.assert_allclose(p_rep['table'], p_sum['table'], rtol=1e-6,
                              atol=1e-7)
   for a, b in zip(jax.tree.leaves(s_rep), jax.tree.leaves(s_sum)):
@@ -261,8 +326,9 @@ _OUT_OF_RANGE = [(case.name, case.make) for case in CASES] + [
                                          optax.adam(0.1))))]
 
 
-@pytest.mark.parametrize('name, make_tx', _OUT_OF_RANGE,
-                         ids=[n for n, _ in _OUT_OF_RANGE])
+@pytest.mark.parametrize('name, make_tx', [
+    pytest.param(name, make_tx, id=name, marks=_ten_rows_group(name))
+    for name, make_tx in _OUT_OF_RANGE])
 def test_out_of_range_ids_under_jit_touch_nothing(name, make_tx):
   # Rows of D values, batches of six ids: the program of
   # test_duplicates_are_summed_before_the_update's runs.
@@ -272,12 +338,12 @@ def test_out_of_range_ids_under_jit_touch_nothing(name, make_tx):
   ids = np.array([3, -1, 10, -10, 3, 15], np.int32)
   values = np.full((6, D), 1e6, np.float32)
   values[[0, 4]] = 0.5
-  params, state = run(make_tx(), table, [(ids, values)], jit=True)
+  params, state = _ten_rows_run(name, make_tx, table, [(ids, values)])
   moved = np.flatnonzero(np.any(np.asarray(params['table']) != table, axis=1))
   assert moved.tolist() == [3]
   # Exactly the step with the in-range ids alone.
-  ok_params, ok_state = run(make_tx(), table,
-                            [(ids[[0, 4]], values[[0, 4]])], jit=True)
+  ok_params, ok_state = _ten_rows_run(name, make_tx, table,
+                                      [(ids[[0, 4]], values[[0, 4]])])
   for a, b in zip(jax.tree.leaves((params, state)),
                   jax.tree.leaves((ok_params, ok_state))):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
@@ -297,31 +363,42 @@ def test_out_of_range_ids_under_jit_touch_nothing(name, make_tx):
 
 
 @pytest.mark.parametrize('jit', [False, True])
-@each_case
+@pytest.mark.parametrize('case', _by_rule(CASES))
 def test_empty_batches_change_nothing_but_the_count(case, jit):
-  table = table_for(case, seed=11, num_rows=8)
+  # The table and non-empty batches have the shapes of
+  # test_rule_matches_float64_model's (NUM_ROWS rows, 16 ids): eagerly, the
+  # library's operations on them are the ones compiled there already.
+  table = table_for(case, seed=11)
   rng = np.random.default_rng(12)
-  data = [(np.asarray(ids, np.int32),
-           rng.normal(size=(len(ids), D)).astype(np.float32))
-          # Both non-empty batches have three ids (one jitted program).
+  data = [(np.resize(np.asarray(ids, np.int32), len(ids) and 16),
+           rng.normal(size=(len(ids) and 16, D)).astype(np.float32))
+          # Both non-empty batches: rows 4 and 1, rows 6 and 1, each id
+          # repeated (one jitted program for both).
           for ids in ([], [4, 4, 1], [], [6, 1, 6], [])]
-  tx = case.make()
+  # Jitted: the rule test's step (donated), and a second program for the
+  # empty batches.
+  if jit:
+    tx, step = _rule_step(case)
+  else:
+    tx = case.make()
+    step = sparse_step(tx, NUM_ROWS)
   params = {'table': jnp.asarray(table, jnp.float32)}
   state = tx.init(params)
-  step = sparse_step(tx, 8)
-  if jit:
-    step = jax.jit(step)
   for t, (ids, values) in enumerate(data, start=1):
-    new_params, new_state = step(params, state, jnp.asarray(ids),
-                                 jnp.asarray(values))
     if t == 1:  # the update of an empty batch is still row-sparse
-      u, _ = tx.update({'table': SparseRows(ids, values, 8)}, state, params)
+      u, _ = tx.update({'table': SparseRows(ids, values, NUM_ROWS)}, state,
+                       params)
       assert isinstance(u['table'], SparseRows) and u['table'].num_ids == 0
+    # Copies: the jitted step consumes (donates) its inputs.
+    old_params, old_state = jax.tree.map(np.array, (params, state))
+    new_params, new_state = step(params, state,
+                                 *jax.device_put((ids, values)))
     if not len(ids):
-      np.testing.assert_array_equal(new_params['table'], params['table'])
+      np.testing.assert_array_equal(new_params['table'], old_params['table'])
       for s in case.slots:
         np.testing.assert_array_equal(slot(new_state, s.name),
-                                      slot(state, s.name), err_msg=s.name)
+                                      slot(old_state, s.name),
+                                      err_msg=s.name)
     assert count_of(new_state) == t
     params, state = new_params, new_state
   # An empty batch counts as a step (the bias correction sees it).
@@ -371,18 +448,23 @@ def _apply(tx, params, state, grads):
   return lazy_optax.apply_updates(params, updates), state
 
 
-@pytest.mark.parametrize('case', RULE_CASES, ids=str)
+@pytest.mark.parametrize('case', _by_rule(RULE_CASES))
 def test_every_row_touched_once_equals_dense(case):
+  # Eager, on 16 rows of D values, each named once by a batch of 16 ids
+  # (the operations on the batch's rows have the shapes of
+  # test_rule_matches_float64_model's eager ones); data built in NumPy.
   rng = np.random.default_rng(3)
-  table = jnp.asarray(case.table_scale * rng.normal(size=(8, 5)), jnp.float32)
+  table = jax.device_put(
+      (case.table_scale * rng.normal(size=(16, D))).astype(np.float32))
   tx = case.make()
   p_l, p_d = table, table
   s_l, s_d = tx.init(table), tx.init(table)
   for _ in range(4):
-    perm = rng.permutation(8)
-    g = jnp.asarray(rng.normal(size=(8, 5)), jnp.float32)
-    u_l, s_l = tx.update(SparseRows(perm, g[perm], 8), s_l, p_l)
-    u_d, s_d = tx.update(g, s_d, p_d)
+    perm = rng.permutation(16).astype(np.int32)
+    g = rng.normal(size=(16, D)).astype(np.float32)
+    u_l, s_l = tx.update(SparseRows(*jax.device_put((perm, g[perm])), 16),
+                         s_l, p_l)
+    u_d, s_d = tx.update(jax.device_put(g), s_d, p_d)
     p_l = lazy_optax.apply_updates(p_l, u_l)
     p_d = lazy_optax.apply_updates(p_d, u_d)
   np.testing.assert_allclose(p_l, p_d, rtol=1e-6, atol=1e-7)
