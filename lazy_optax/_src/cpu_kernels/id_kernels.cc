@@ -197,15 +197,19 @@ class Assigner {
         cell = std::min(cell + 1, kCountLimit);
       }
     }
+    // The counts of the ids without a row (the only ones that claim a
+    // slot; as the XLA path, 0 for the others): most of a batch are hits,
+    // whose cells need not be read again.
     for (int64_t i = 0; i < n_; ++i) {
+      Position& q = p_[i];
+      if (!q.need) continue;
       int32_t seen = kBigStep;
       for (int64_t d = 0; d < c_.depth; ++d) {
         seen = std::min(seen, s_.sketch[cols_[i * c_.depth + d]]);
       }
-      p_[i].seen = seen;
-      p_[i].admitted = p_[i].need && (c_.admit_after == 1 ||
-                                      p_[i].seen >= c_.admit_after);
-      p_[i].pending = p_[i].admitted;
+      q.seen = seen;
+      q.admitted = c_.admit_after == 1 || seen >= c_.admit_after;
+      q.pending = q.admitted;
     }
   }
 
