@@ -233,7 +233,7 @@ def halve_branch_free(sketch: jax.Array, halvings: jax.Array) -> jax.Array:
   return sketch >> jnp.clip(halvings, 0, 31)
 
 
-def _count_once(cell: jax.Array) -> jax.Array:
+def _count_once(cell: jax.typing.ArrayLike) -> jax.Array:
   """One more lookup in a sketch cell, capped at `COUNT_LIMIT`."""
   return jnp.minimum(cell + 1, COUNT_LIMIT)
 
