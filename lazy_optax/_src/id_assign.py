@@ -86,9 +86,14 @@ def count(mask: jax.Array) -> jax.Array:
 
 def decayed(counts: jax.Array, seen: jax.Array, now: jax.Array,
             period: int) -> jax.Array:
-  """`'lfu'` counts halved once per `period` boundary since `seen`."""
-  halvings = jnp.floor_divide(now, period) - jnp.floor_divide(
-      jnp.maximum(seen, 0), period)
+  """`'lfu'` counts halved once per `period` boundary since `seen`.
+
+  `max(seen, 0)` and `period` are non-negative, so the per-slot quotient is
+  a plain (truncating) division: the floor division's sign fix-ups would
+  cost several operations per window entry for the same values.
+  """
+  halvings = jnp.floor_divide(now, period) - lax.div(
+      jnp.maximum(seen, 0), jnp.asarray(period, seen.dtype))
   return counts >> jnp.clip(halvings, 0, 31)
 
 
@@ -124,6 +129,8 @@ class Windows(NamedTuple):
     found: bool `[N]`, the id is valid and live in its window.
     hit_slot: int32 `[N]`, `homes + hit_j`.
     hit_seen: int32 `[N]`, the hit slot's last-seen step (0 when absent).
+    counts: int32 `[N, probe]`, the slots' `'lfu'` counts (None when not
+      read: other policies, and `find`).
   """
   homes: jax.Array
   words: jax.Array
@@ -133,10 +140,12 @@ class Windows(NamedTuple):
   found: jax.Array
   hit_slot: jax.Array
   hit_seen: jax.Array
+  counts: Optional[jax.Array] = None
 
 
 def probe_windows(table: Any, ids: jax.Array, last_seen: jax.Array,
-                  words: jax.Array, now: jax.Array) -> Windows:
+                  words: jax.Array, now: jax.Array,
+                  counts: Optional[jax.Array] = None) -> Windows:
   """Step 1: read each id's window (one slice gather) and find its hit.
 
   Args:
@@ -145,6 +154,8 @@ def probe_windows(table: Any, ids: jax.Array, last_seen: jax.Array,
     last_seen: the state's `int32[capacity]` last-seen steps.
     words: the batch's `uint32[N, 2]` id words.
     now: the step.
+    counts: the state's `'lfu'` counts, to read with the windows (one slice
+      gather serves the victims' scores and the hits' counts), or None.
 
   Returns:
     The `Windows`.
@@ -157,8 +168,9 @@ def probe_windows(table: Any, ids: jax.Array, last_seen: jax.Array,
       win_words[..., 1] == words[:, None, 1])
   hit_j = first(match)                       # probe (a live id is there once)
   found = id_words.valid_words(words) & (hit_j < table.probe)
+  win_counts = None if counts is None else window(counts, homes, table.probe)
   return Windows(homes, win_words, win_seen, alive, hit_j, found,
-                 homes + hit_j, pick(win_seen, hit_j))
+                 homes + hit_j, pick(win_seen, hit_j), win_counts)
 
 
 def expire(table: Any, wheel: Optional[jax.Array], live: jax.Array,
@@ -191,10 +203,18 @@ def expire(table: Any, wheel: Optional[jax.Array], live: jax.Array,
   return jnp.where(expiring, 0, wheel), expired, live - expired
 
 
-def estimate(table: Any, sketch: jax.Array, words: jax.Array) -> jax.Array:
-  """The sketch's count of each id (the minimum over its rows): int32 `[N]`."""
+def estimate(table: Any, sketch: jax.Array, words: jax.Array,
+             wanted: Optional[jax.Array] = None) -> jax.Array:
+  """The sketch's count of each id (the minimum over its rows): int32 `[N]`.
+
+  With `wanted` (bool `[N]`), only those ids are read (0 for the others):
+  each count is `depth` random reads of a large array, and most of a
+  batch's ids (its hits) need none.
+  """
   depth, width = sketch.shape
   cols = id_hashing.sketch_columns(words, depth, width, table.seed)
+  if wanted is not None:
+    cols = jnp.where(wanted[None, :], cols, width)
   rows = jnp.broadcast_to(lax.iota(jnp.int32, depth)[:, None], cols.shape)
   return jnp.min(sketch.at[rows, cols].get(mode='fill', fill_value=0),
                  axis=0)
@@ -211,6 +231,11 @@ def halve_skipping(sketch: jax.Array, halvings: jax.Array) -> jax.Array:
 def halve_branch_free(sketch: jax.Array, halvings: jax.Array) -> jax.Array:
   """The sketch halved `halvings` times (a shift by zero keeps it)."""
   return sketch >> jnp.clip(halvings, 0, 31)
+
+
+def _count_once(cell: jax.typing.ArrayLike) -> jax.Array:
+  """One more lookup in a sketch cell, capped at `COUNT_LIMIT`."""
+  return jnp.minimum(cell + 1, COUNT_LIMIT)
 
 
 def admit(table: Any, sketch: Optional[jax.Array], words: jax.Array,
@@ -233,8 +258,9 @@ def admit(table: Any, sketch: Optional[jax.Array], words: jax.Array,
 
   Returns:
     `(sketch, admitted, counts)`: the updated sketch; bool `[N]`, the ids of
-    `need` seen at least `admit_after` times; and int32 `[N]`, each id's
-    count in the sketch (None without a sketch).
+    `need` seen at least `admit_after` times; and int32 `[N]`, the count in
+    the sketch of each id of `need` (0 for the others, which claim no slot;
+    None without a sketch).
   """
   if sketch is None:
     return sketch, need, None
@@ -248,9 +274,11 @@ def admit(table: Any, sketch: Optional[jax.Array], words: jax.Array,
   cols = id_hashing.sketch_columns(words, depth, width, table.seed)
   cols = jnp.where((valid if all_lookups else need)[None, :], cols, width)
   rows = jnp.broadcast_to(lax.iota(jnp.int32, depth)[:, None], cols.shape)
-  sketch = sketch.at[rows, cols].add(1, mode='drop')
-  sketch = sketch.at[rows, cols].min(COUNT_LIMIT, mode='drop')
-  seen = estimate(table, sketch, words)
+  # One scatter counts each lookup, capped (a cell looked up k times gets
+  # min(cell + k, COUNT_LIMIT), as an add then a min would give): each
+  # cell is a cache miss on a large sketch, read and written once.
+  sketch = sketch.at[rows, cols].apply(_count_once, mode='drop')
+  seen = estimate(table, sketch, words, need)
   if table.admit_after == 1:
     return sketch, need, seen
   return sketch, need & (seen >= table.admit_after), seen
@@ -326,7 +354,8 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
             'lo': ~words[:, 1], 'seen': win.seen, 'free': free}
   if table.eviction == 'lfu':
     assert counts is not None
-    win_counts = window(counts, win.homes, probe)
+    win_counts = win.counts if win.counts is not None else window(
+        counts, win.homes, probe)
     per_id['score'] = jnp.where(
         free, -1, decayed(win_counts, win.seen, now, table.lfu_period))
   guarded = guards(table)
@@ -359,8 +388,8 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
       victim = has & ~pick(ids_in['free'], j)
       owner = ids_table.at[jnp.where(victim, homes_in + j, c)].get(
           mode='fill', fill_value=id_words.EMPTY_WORD)
-      declined_in = victim & ~(ids_in['count'] > estimate(table, sketch,
-                                                          owner))
+      declined_in = victim & ~(ids_in['count'] > estimate(
+          table, sketch, owner, victim))
       has = has & ~declined_in
     else:
       declined_in = jnp.zeros_like(has)
@@ -476,7 +505,9 @@ def renew_counts(table: Any, counts: Optional[jax.Array], win: Windows,
     return counts
   assert counts is not None
   c = table.capacity
-  hit_count = counts.at[win.hit_slot].get(mode='clip')
+  # The hit slot's count, from the window read in step 1 (0 where absent).
+  hit_count = (pick(win.counts, win.hit_j) if win.counts is not None
+               else counts.at[win.hit_slot].get(mode='clip'))
   renewed = jnp.where(
       win.hit_seen < now,
       decayed(hit_count, win.hit_seen, now, table.lfu_period) + 1,

@@ -659,7 +659,7 @@ class IdTable:
     c = self.capacity
     # 1. Probe windows: each id's window, and the live ids found there.
     win = id_assign.probe_windows(self, state.ids, state.last_seen, words,
-                                  now)
+                                  now, state.counts)
     # 2. Expiry: under ttl, ids last seen before now - ttl expire now.
     wheel, expired, live = id_assign.expire(self, state.wheel, state.live,
                                             state.step, now)

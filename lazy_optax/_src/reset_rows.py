@@ -76,16 +76,20 @@ def fresh_rows(init: Callable[..., Any], key: Any, ids: jax.Array,
 
 def _pack(rows: FreshRows, num_rows: int
           ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """The fresh entries first (a stable partition): slots, ids and count."""
+  """The fresh entries first, in order: slots, ids and count.
+
+  The entries past `count` are filler (slot `num_rows`, zero ids): their
+  rows are computed with the others' but name no row, so they are dropped.
+  One prefix sum (on the CPU a chain of reduce-windows, most of this cost).
+  """
   active = rows.slots < num_rows
   needed = jnp.cumsum(active.astype(jnp.int32))
-  count = needed[-1]
-  others = jnp.cumsum((~active).astype(jnp.int32))
-  dest = jnp.where(active, needed - 1, count + others - 1)
+  dest = jnp.where(active, needed - 1, rows.slots.shape[0])
   slots = jnp.full_like(rows.slots, num_rows).at[dest].set(
-      jnp.where(active, rows.slots, num_rows), unique_indices=True)
-  ids = jnp.zeros_like(rows.ids).at[dest].set(rows.ids, unique_indices=True)
-  return slots, ids, count
+      rows.slots, mode='drop', unique_indices=True)
+  ids = jnp.zeros_like(rows.ids).at[dest].set(rows.ids, mode='drop',
+                                               unique_indices=True)
+  return slots, ids, needed[-1]
 
 
 def _chunk_size(n: int) -> int:

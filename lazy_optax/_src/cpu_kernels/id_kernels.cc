@@ -105,16 +105,6 @@ class Assigner {
               int32_t log_next, int32_t log_lost);
 
  private:
-  int32_t Estimate(const uint32_t* w) const {
-    int64_t cols[16];
-    Columns(w, cols);
-    int32_t best = kBigStep;
-    for (int64_t d = 0; d < c_.depth; ++d) {
-      best = std::min(best, s_.sketch[cols[d]]);
-    }
-    return best;
-  }
-
   // Homes and sketch columns first (no memory reads), so that the loops
   // below can prefetch a few ids ahead: each id's window and sketch cells
   // are cache misses on a large table.
@@ -197,16 +187,46 @@ class Assigner {
         cell = std::min(cell + 1, kCountLimit);
       }
     }
+    // The counts of the ids without a row (the only ones that claim a
+    // slot; as the XLA path, 0 for the others): most of a batch are hits,
+    // whose cells need not be read again.
     for (int64_t i = 0; i < n_; ++i) {
+      Position& q = p_[i];
+      if (!q.need) continue;
       int32_t seen = kBigStep;
       for (int64_t d = 0; d < c_.depth; ++d) {
         seen = std::min(seen, s_.sketch[cols_[i * c_.depth + d]]);
       }
-      p_[i].seen = seen;
-      p_[i].admitted = p_[i].need && (c_.admit_after == 1 ||
-                                      p_[i].seen >= c_.admit_after);
-      p_[i].pending = p_[i].admitted;
+      q.seen = seen;
+      q.admitted = c_.admit_after == 1 || seen >= c_.admit_after;
+      q.pending = q.admitted;
     }
+  }
+
+  // The frequency guard: a claim on a live id's slot stands only when the
+  // sketch counts the newcomer more often than the owner (`cols`: the
+  // owners' cells); the others are declined and leave `claims`.
+  template <typename Claims>
+  void Guard(Claims* claims, const std::vector<size_t>& victims,
+             const std::vector<int64_t>& cols) {
+    std::vector<char> declined(claims->size(), 0);
+    for (size_t v = 0; v < victims.size(); ++v) {
+      int32_t owner_count = kBigStep;
+      for (int64_t d = 0; d < c_.depth; ++d) {
+        owner_count = std::min(owner_count, s_.sketch[cols[v * c_.depth + d]]);
+      }
+      Position& q = p_[(*claims)[victims[v]].i];
+      if (!(q.seen > owner_count)) {
+        q.declined = true;
+        q.pending = false;
+        declined[victims[v]] = 1;
+      }
+    }
+    size_t kept = 0;
+    for (size_t k = 0; k < claims->size(); ++k) {
+      if (!declined[k]) (*claims)[kept++] = (*claims)[k];
+    }
+    claims->resize(kept);
   }
 
   // The window position an id picks (probe: none), from the state as it is
@@ -246,6 +266,11 @@ class Assigner {
       int64_t i;
     };
     std::vector<Claim> claims;
+    // The claims whose pick holds a live id (under the frequency guard),
+    // and that owner's sketch cells (`depth` each), prefetched here and
+    // read once every pick is made: each is a cache miss on a large sketch.
+    std::vector<size_t> victims;
+    std::vector<int64_t> cols;
     bool any = false;
     for (int64_t i = 0; i < n_; ++i) {
       Position& q = p_[i];
@@ -261,13 +286,18 @@ class Assigner {
       }
       const int32_t slot = static_cast<int32_t>(q.home + j);
       const uint32_t* owner = s_.ids + 2 * slot;
-      if (c_.guarded && owner[0] != kEmptyWord && !(q.seen > Estimate(owner))) {
-        q.declined = true;
-        q.pending = false;
-        continue;
+      if (c_.guarded && owner[0] != kEmptyWord) {
+        victims.push_back(claims.size());
+        cols.resize(cols.size() + c_.depth);
+        int64_t* cells = cols.data() + cols.size() - c_.depth;
+        Columns(owner, cells);
+        for (int64_t d = 0; d < c_.depth; ++d) {
+          __builtin_prefetch(s_.sketch + cells[d]);
+        }
       }
       claims.push_back({slot, ~w_[2 * i], ~w_[2 * i + 1], i});
     }
+    if (!victims.empty()) Guard(&claims, victims, cols);
     if (!any) return false;
     // The smallest id wins: the largest complements (as the XLA path).
     std::sort(claims.begin(), claims.end(), [](const Claim& a, const Claim& b) {
