@@ -4,11 +4,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import torch
 
 import lazy_optax
 
 NUM_ROWS, DIM = 20, 3
+# The tests that compare with torch run on one pytest-xdist worker: torch is
+# imported by them (about 3 CPU s), not at collection by every worker.
+TORCH = pytest.mark.xdist_group('torch')
+
+
+def _torch():
+  """The torch module, imported on first use."""
+  import torch  # pylint: disable=import-outside-toplevel
+  return torch
 
 
 def _batch(seed, batch=6, max_len=5):
@@ -26,6 +34,7 @@ def _batch(seed, batch=6, max_len=5):
 
 def _torch_bag_rows(table, ids, mask, mode):
   """torch.nn.EmbeddingBag over a table of any row count."""
+  torch = _torch()
   bag = torch.nn.EmbeddingBag(table.shape[0], table.shape[1], mode=mode)
   with torch.no_grad():
     bag.weight.copy_(torch.tensor(np.asarray(table)))
@@ -37,6 +46,7 @@ def _torch_bag_rows(table, ids, mask, mode):
 
 def _torch_bag(table, ids, mask, mode, weights=None, padding_id=None):
   """torch.nn.EmbeddingBag on the real slots (1-D input with offsets)."""
+  torch = _torch()
   bag = torch.nn.EmbeddingBag(NUM_ROWS, DIM, mode=mode,
                               padding_idx=padding_id)
   with torch.no_grad():
@@ -49,6 +59,7 @@ def _torch_bag(table, ids, mask, mode, weights=None, padding_id=None):
   return out, bag.weight
 
 
+@TORCH
 @pytest.mark.parametrize('mode,weighted,padding', [
     ('sum', False, False), ('sum', True, False), ('mean', False, False),
     ('max', False, False), ('sum', True, True), ('mean', False, True),
@@ -76,7 +87,7 @@ def test_outputs_and_gradients_match_torch_embedding_bag(mode, weighted,
       {'table': table}, jnp.asarray(ids))
   ref_out, ref_weight = _torch_bag(table, ids, mask, mode,
                                    weights if weighted else None, padding_id)
-  (ref_out * torch.tensor(cotangent)).sum().backward()
+  (ref_out * _torch().tensor(cotangent)).sum().backward()
   np.testing.assert_allclose(out, ref_out.detach().numpy(), rtol=1e-5,
                              atol=1e-6)
   np.testing.assert_array_equal(np.asarray(out)[2], 0)   # empty bag: zeros
@@ -166,13 +177,14 @@ def test_bag_arguments_are_checked():
                             lengths=jnp.array(bad))
 
 
+@TORCH
 def test_max_mode_tie_gives_the_gradient_to_the_first_maximum_like_torch():
   table = np.array([[1., 5.], [1., 2.], [0., 5.], [3., 0.]], np.float32)
   ids = np.array([[0, 1, 2], [3, 3, 1]])          # ties in both bags
   mask = np.ones(ids.shape, bool)
   cotangent = np.array([[1., 2.], [3., 4.]], np.float32)
   ref_out, ref_weight = _torch_bag_rows(table, ids, mask, 'max')
-  (ref_out * torch.tensor(cotangent)).sum().backward()
+  (ref_out * _torch().tensor(cotangent)).sum().backward()
 
   def loss_fn(params, ids):
     out = lazy_optax.lookup_bag(params['table'], ids, mode='max')
@@ -229,6 +241,7 @@ def _layers():
           'equinox': equinox}
 
 
+@TORCH
 @pytest.mark.parametrize('layer', ['linen', 'nnx', 'haiku', 'equinox'])
 @pytest.mark.parametrize('mode', ['sum', 'mean', 'max'])
 def test_bag_layers_match_torch(layer, mode):
@@ -247,7 +260,7 @@ def test_bag_layers_match_torch(layer, mode):
 
   _, grads = grad_fn(params, jnp.asarray(ids), jnp.asarray(lengths))
   ref_out, ref_weight = _torch_bag(table, ids, mask, mode)
-  (ref_out * torch.tensor(cotangent)).sum().backward()
+  (ref_out * _torch().tensor(cotangent)).sum().backward()
   np.testing.assert_allclose(apply(params, jnp.asarray(ids),
                                    lengths=jnp.asarray(lengths)),
                              ref_out.detach().numpy(), rtol=1e-5, atol=1e-6)

@@ -164,8 +164,10 @@ def _compiled(opt, layout):
     updates, state = tx.update(grads, state, params)
     return lazy_optax.apply_updates(params, updates), state
 
-  init = jax.jit(tx.init)({k: _to(np.zeros(s), d)
-                           for k, (s, d) in tables.items()})
+  # Eager: its zeros are programs of a few shapes, which every optimizer
+  # and layout shares (jitted, each init was a program of its own).
+  init = tx.init({k: jnp.asarray(_to(np.zeros(s), d))
+                  for k, (s, d) in tables.items()})
   return init, step
 
 

@@ -44,9 +44,10 @@ def test_rounding_is_unbiased(dtype):
   mean = values.mean(axis=0)
   # Every draw is one of the two neighbours of x.
   below = x.astype(np_dtype).astype(np.float64)
-  for j in range(x.size):
-    assert len(set(values[:, j])) <= 2
-  gap = np.abs(values.max(axis=0) - values.min(axis=0))
+  # (In numpy: a set of each column's 100,000 Python floats took a second.)
+  low, high = values.min(axis=0), values.max(axis=0)
+  assert np.all((values == low) | (values == high))
+  gap = np.abs(high - low)
   # The mean of n draws is within 5 standard errors of x: each draw's
   # standard deviation is at most gap / 2.
   bound = 5 * np.maximum(gap, 1e-30) / 2 / np.sqrt(n)

@@ -23,11 +23,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-import torch
 
 import lazy_optax
 from lazy_optax import SparseRows
 from reference import TFLazyAdam
+
+# Every test here runs on one pytest-xdist worker, with test_bags.py's torch
+# tests: torch is imported by them (about 3 CPU s), not at collection by
+# every worker.
+pytestmark = pytest.mark.xdist_group('torch')
+
+
+def _torch():
+  """The torch module, imported on first use."""
+  import torch  # pylint: disable=import-outside-toplevel
+  return torch
 
 _NUM_ROWS, _DIM, _STEPS, _IDS = 64, 4, 40, 24
 
@@ -42,6 +52,8 @@ def _batches(seed):
 
 
 def _run_torch(table, batches, dtype, lr, eps):
+  torch = _torch()
+  dtype = getattr(torch, dtype)
   emb = torch.nn.Embedding(_NUM_ROWS, _DIM, sparse=True).to(dtype)
   with torch.no_grad():
     emb.weight.copy_(torch.as_tensor(table, dtype=dtype))
@@ -85,7 +97,7 @@ def test_lazy_adam_matches_torch_sparse_adam(eps):
   lr = 0.01
   table = np.random.default_rng(100).normal(size=(_NUM_ROWS, _DIM))
   batches = list(_batches(0))
-  torch_p, torch_m, torch_v = _run_torch(table, batches, torch.float32, lr, eps)
+  torch_p, torch_m, torch_v = _run_torch(table, batches, 'float32', lr, eps)
   lazy_p, lazy_m, lazy_v = _run_lazy(table, batches, lr, eps)
   err_p = _max_rel_err(lazy_p, torch_p, 1e-2)
   err_m = _max_rel_err(lazy_m, torch_m, 1e-3)
@@ -106,7 +118,7 @@ def test_torch_sparse_adam_in_float64_is_the_tf_rule():
   lr, eps = 0.01, 1e-8
   table = np.random.default_rng(101).normal(size=(_NUM_ROWS, _DIM))
   batches = list(_batches(1))
-  torch_p, torch_m, torch_v = _run_torch(table, batches, torch.float64, lr, eps)
+  torch_p, torch_m, torch_v = _run_torch(table, batches, 'float64', lr, eps)
   ref = TFLazyAdam(table, lr=lr, eps=eps)
   for ids, values in batches:
     ref.step(ids, values)
