@@ -142,6 +142,27 @@ def test_zero_nans_before_lazy_matches_dense_with_a_nan():
                              _run_dense(dense, [(ids, values)]))
 
 
+def test_zero_nans_state_keeps_its_structure_only_inside_lazy():
+  """docs/semantics.md: `zero_nans` before a lazy transformation records a
+  row-sparse `found_nan` for a table after the first step (a structure that
+  `init` did not give); inside `lazy(...)` the state keeps `init`'s."""
+  params = {'t': jnp.zeros((V, D)), 'w': jnp.zeros(3)}
+  grads = {'t': lazy_optax.SparseRows(jnp.array([1, 2]), jnp.ones((2, D)),
+                                      V),
+           'w': jnp.ones(3)}
+  outside = optax.chain(optax.zero_nans(), lazy_optax.lazy_adam(0.1))
+  inside = lazy_optax.lazy(optax.chain(optax.zero_nans(),
+                                       lazy_optax.lazy_adam(0.1)))
+  for tx, keeps in ((outside, False), (inside, True)):
+    state = tx.init(params)
+    _, new_state = jax.eval_shape(tx.update, grads, state, params)
+    assert (jax.tree.structure(new_state)
+            == jax.tree.structure(state)) is keeps
+  _, new_state = jax.eval_shape(outside.update, grads, outside.init(params),
+                                params)
+  assert isinstance(new_state[0].found_nan['t'], lazy_optax.SparseRows)
+
+
 def test_clip_before_lazy_adam_equals_float64_rule():
   batches = _batches(steps=4)
   got = _run_sparse(optax.chain(optax.clip_by_global_norm(0.5),
