@@ -5,7 +5,8 @@
 1. `probe_windows`: each id's window of slots, and the live ids found there;
 2. `expire`: the `ttl` wheel's ids that expire at this step;
 3. `admit`: the sketch's count of each missing id, and which are admitted;
-4. `claim_rounds`: admitted ids claim slots, the smallest id winning;
+4. `claim_rounds`: admitted ids claim slots, the smallest id winning
+   (`run_rounds` of `claim_round`, each `choose_slots`, `guard`, `resolve`);
 5. accounting: `representatives` (one position per slot), `renew_counts`
    (`'lfu'`), `move_wheel` (`ttl`), `log_evictions` (for `export_changes`)
    and `add_events` (the counters).
@@ -315,6 +316,309 @@ def guards(table: Any) -> bool:
   return table.admission == 'frequency' and table.eviction != 'none'
 
 
+class Claimants(NamedTuple):
+  """The per-id arrays a claim round reads (all `[N, ...]` rows).
+
+  The fields are declared in the order in which the compacted round gathers
+  them.
+
+  Attributes:
+    frequency: int32 `[N]`, each id's count in the sketch (None unless
+      `guards(table)`).
+    free: bool `[N, probe]`, the window's slots that hold no live id.
+    hi: uint32 `[N]`, the complement of the id's high word.
+    homes: int32 `[N]`, the first slot of each window.
+    lo: uint32 `[N]`, the complement of the id's low word.
+    score: int32 `[N, probe]`, the slots' decayed `'lfu'` counts, -1 where
+      free (None for other policies).
+    seen: int32 `[N, probe]`, the slots' last-seen steps.
+    words: uint32 `[N, 2]`, the id words.
+  """
+  frequency: Optional[jax.Array]
+  free: jax.Array
+  hi: jax.Array
+  homes: jax.Array
+  lo: jax.Array
+  score: Optional[jax.Array]
+  seen: jax.Array
+  words: jax.Array
+
+
+class ClaimTables(NamedTuple):
+  """The state arrays a claim round writes: id words, last-seen steps and
+  the claim scratch."""
+  ids: jax.Array
+  last_seen: jax.Array
+  claims: jax.Array
+
+
+class RoundResult(NamedTuple):
+  """What one claim round decided for each of its ids (`[N]` each).
+
+  Attributes:
+    won: bool, the id won its slot.
+    target: int32, the slot it claimed (`capacity`: none).
+    j: int32, that slot's position in the id's window.
+    stuck: bool, a pending id whose window had no slot to claim.
+    blocked: bool, a stuck id refused by a full window under `'none'`.
+    declined: bool, an id refused a live id's slot by the frequency guard.
+  """
+  won: jax.Array
+  target: jax.Array
+  j: jax.Array
+  stuck: jax.Array
+  blocked: jax.Array
+  declined: jax.Array
+
+
+class RoundCarry(NamedTuple):
+  """What the claim rounds carry from one round to the next.
+
+  Attributes:
+    tables: the `ClaimTables`, winners written.
+    placed: int32 `[N]`, the slot each id won (`capacity`: none yet).
+    placed_j: int32 `[N]`, its position in the id's window.
+    pending: bool `[N]`, ids still to claim a slot.
+    stuck: bool `[N]`, ids that found no slot to claim in some round.
+    blocked: bool `[N]`, ids refused by a full window under `'none'`.
+    declined: bool `[N]`, ids declined by the frequency guard.
+  """
+  tables: ClaimTables
+  placed: jax.Array
+  placed_j: jax.Array
+  pending: jax.Array
+  stuck: jax.Array
+  blocked: jax.Array
+  declined: jax.Array
+
+
+class RoundInputs(NamedTuple):
+  """What every claim round reads and none writes.
+
+  Attributes:
+    who: the `Claimants`, the whole batch.
+    position: int32 `[N]`, each id's position in the batch.
+    sketch: the sketch after this step's counts (None without one).
+    now: the step.
+  """
+  who: Claimants
+  position: jax.Array
+  sketch: Optional[jax.Array]
+  now: jax.Array
+
+
+def claimants(table: Any, counts: Optional[jax.Array],
+              seen: Optional[jax.Array], words: jax.Array, win: Windows,
+              now: jax.Array) -> Claimants:
+  """The batch's per-id arrays for the claim rounds (see `claim_rounds`)."""
+  free = ~win.alive
+  hi, lo = ~words[:, 0], ~words[:, 1]
+  score = None
+  if table.eviction == 'lfu':
+    assert counts is not None
+    win_counts = win.counts if win.counts is not None else window(
+        counts, win.homes, table.probe)
+    score = jnp.where(
+        free, -1, decayed(win_counts, win.seen, now, table.lfu_period))
+  frequency = None
+  if guards(table):
+    assert seen is not None
+    frequency = seen
+  return Claimants(frequency=frequency, free=free, hi=hi, homes=win.homes,
+                   lo=lo, score=score, seen=win.seen, words=words)
+
+
+def choose_slots(table: Any, who: Claimants, last_seen: jax.Array,
+                 pending: jax.Array, now: jax.Array
+                 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Each pending id's pick in its window among slots not seen at `now`.
+
+  Free first (under `'lfu'`: the lowest score first), then the least
+  recently seen, ties to the earlier slot.
+
+  Returns:
+    `(untouched, has, j)`: bool `[N, probe]`, the window's slots not seen
+    at `now`; bool `[N]`, the pending ids with a pick; int32 `[N]`, the
+    pick's position in the window (`probe`: none).
+  """
+  seen_now = window(last_seen, who.homes, table.probe)
+  untouched = seen_now < now
+  eligible = untouched
+  if table.eviction == 'none':
+    eligible = untouched & who.free
+  if table.eviction == 'lfu':
+    assert who.score is not None
+    best = jnp.min(jnp.where(eligible, who.score, BIG_STEP), axis=1)
+    eligible = eligible & (who.score == best[:, None])
+  # Free slots are older than live ones (empty: EMPTY_STEP; expired:
+  # before now - ttl), so the least recently seen comes first.
+  oldest = jnp.where(eligible, who.seen, BIG_STEP)
+  least = jnp.min(oldest, axis=1)
+  has = pending & (least < BIG_STEP)
+  j = first(oldest == least[:, None])
+  return untouched, has, j
+
+
+def guard(table: Any, ids: jax.Array, who: Claimants,
+          sketch: Optional[jax.Array], has: jax.Array, j: jax.Array
+          ) -> tuple[jax.Array, jax.Array]:
+  """The frequency guard: a pick that holds a live id (a victim) is kept
+  only when the sketch counts the newcomer more often than the victim.
+
+  Returns:
+    `(has, declined)`: the picks kept, and the ids declined (bool `[N]`,
+    all False unless `guards(table)`).
+  """
+  if not guards(table):
+    return has, jnp.zeros_like(has)
+  assert sketch is not None and who.frequency is not None
+  # The victim's count, read from the slot's owner (untouched at this
+  # step, so the owner the window was read with).
+  victim = has & ~pick(who.free, j)
+  owner = ids.at[jnp.where(victim, who.homes + j, table.capacity)].get(
+      mode='fill', fill_value=id_words.EMPTY_WORD)
+  declined = victim & ~(who.frequency > estimate(
+      table, sketch, owner, victim))
+  return has & ~declined, declined
+
+
+def resolve(claims: jax.Array, target: jax.Array, has: jax.Array,
+            hi: jax.Array, lo: jax.Array, capacity: int
+            ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Several ids claiming one slot: the smallest id wins.
+
+  The largest complement of its high word, then of its low word, through
+  a scatter-max into the claim scratch, which is cleared where it was
+  written.
+
+  Returns:
+    `(claims, won, winner)`: the scratch (zero again), bool `[N]` the
+    winners, int32 `[N]` their slots (`capacity` for the others).
+  """
+  claims = claims.at[target].max(hi, mode='drop')
+  won_high = has & (claims.at[target].get(mode='fill', fill_value=0)
+                    == hi)
+  second = jnp.where(won_high, target, capacity)
+  claims = claims.at[second].set(jnp.uint32(0), mode='drop')
+  claims = claims.at[second].max(lo, mode='drop')
+  won = won_high & (claims.at[second].get(mode='fill', fill_value=0)
+                    == lo)
+  winner = jnp.where(won, target, capacity)
+  claims = claims.at[winner].set(jnp.uint32(0), mode='drop')
+  return claims, won, winner
+
+
+def claim_round(table: Any, who: Claimants, tables: ClaimTables,
+                pending: jax.Array, sketch: Optional[jax.Array],
+                now: jax.Array) -> tuple[ClaimTables, RoundResult]:
+  """One claim round for the ids of `who` (all, or a compacted few).
+
+  Each pending id picks a slot (`choose_slots`), passes the frequency
+  guard (`guard`) and claims it (`resolve`); the winners are written.
+
+  Returns:
+    The written `ClaimTables` and the round's `RoundResult`.
+  """
+  untouched, has, j = choose_slots(table, who, tables.last_seen, pending,
+                                   now)
+  stuck = pending & ~has
+  has, declined = guard(table, tables.ids, who, sketch, has, j)
+  target = jnp.where(has, who.homes + j, table.capacity)
+  claims, won, winner = resolve(tables.claims, target, has, who.hi, who.lo,
+                                table.capacity)
+  ids = tables.ids.at[winner].set(who.words, mode='drop')
+  last_seen = tables.last_seen.at[winner].set(now, mode='drop')
+  if table.eviction == 'none':
+    blocked = stuck & jnp.any(untouched & ~who.free, axis=1)
+  else:
+    blocked = jnp.zeros_like(stuck)
+  return (ClaimTables(ids, last_seen, claims),
+          RoundResult(won, target, j, stuck, blocked, declined))
+
+
+def merge(carry: RoundCarry, tables: ClaimTables,
+          result: RoundResult) -> RoundCarry:
+  """The carry after a round: its tables, and its results folded in."""
+  return RoundCarry(
+      tables, jnp.where(result.won, result.target, carry.placed),
+      jnp.where(result.won, result.j, carry.placed_j),
+      carry.pending & ~result.won & ~result.stuck & ~result.declined,
+      carry.stuck | result.stuck, carry.blocked | result.blocked,
+      carry.declined | result.declined)
+
+
+def full_round(table: Any, inputs: RoundInputs,
+               carry: RoundCarry) -> RoundCarry:
+  """A round over all `N` rows (rows not pending claim nothing)."""
+  tables, result = claim_round(table, inputs.who, carry.tables,
+                               carry.pending, inputs.sketch, inputs.now)
+  return merge(carry, tables, result)
+
+
+def compact_round(table: Any, inputs: RoundInputs, few: int,
+                  carry: RoundCarry) -> RoundCarry:
+  """A round for the pending ids compacted into `few` rows (they must
+  fit), in batch order; its results are scattered back to `N` rows."""
+  n = inputs.position.shape[0]
+  rank = jnp.cumsum(carry.pending.astype(jnp.int32)) - 1
+  sel = jnp.full((few,), n, jnp.int32).at[
+      jnp.where(carry.pending, rank, few)].set(inputs.position, mode='drop')
+  who = jax.tree.map(
+      lambda a: a.at[sel].get(mode='fill', fill_value=0), inputs.who)
+  tables, result = claim_round(table, who, carry.tables, sel < n,
+                               inputs.sketch, inputs.now)
+  back = [jnp.zeros((n,), r.dtype).at[sel].set(r, mode='drop')
+          for r in result]
+  return merge(carry, tables, RoundResult(*back))
+
+
+def one_round_skipping(table: Any, inputs: RoundInputs, few: int,
+                       carry: RoundCarry) -> RoundCarry:
+  """A round that skips work (the CPU's version).
+
+  The pending ids compacted into `few` rows when they fit (most ids of a
+  batch are hits), all `N` rows when they do not: never a subset chosen by
+  position, so the result does not depend on batch order. No round at all
+  when no id is pending.
+  """
+  left = count(carry.pending)
+  carry = lax.cond(left > few, functools.partial(full_round, table, inputs),
+                   lambda x: x, carry)
+  return lax.cond((left <= few) & (left > 0),
+                  functools.partial(compact_round, table, inputs, few),
+                  lambda x: x, carry)
+
+
+def one_round(table: Any, inputs: RoundInputs, few: int,
+              carry: RoundCarry) -> RoundCarry:
+  """One claim round: `one_round_skipping` on the CPU, else `full_round`.
+
+  Branch-free: a round over all `N` rows gives the compact round's bits
+  (rows not pending claim nothing and their writes drop) and, with no id
+  pending, changes nothing.
+  """
+  return branching.per_platform(
+      functools.partial(one_round_skipping, table, inputs, few),
+      functools.partial(full_round, table, inputs), carry)
+
+
+def run_rounds(table: Any, inputs: RoundInputs,
+               carry: RoundCarry) -> RoundCarry:
+  """The `table.rounds` claim rounds.
+
+  The first round: the batch's new ids (a share of it once the hot ids hold
+  rows); later rounds: the few that lost a claim.
+  """
+  n = inputs.position.shape[0]
+  carry = one_round(table, inputs, min(n, max(32, n // 4)), carry)
+  if table.rounds > 1:
+    later = min(n, max(32, n // 16))
+    carry = lax.fori_loop(
+        1, table.rounds, lambda _, c: one_round(table, inputs, later, c),
+        carry)
+  return carry
+
+
 def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
                  claims: jax.Array, counts: Optional[jax.Array],
                  sketch: Optional[jax.Array], seen: Optional[jax.Array],
@@ -347,132 +651,17 @@ def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
   Returns:
     The `Claims`.
   """
-  c, n, probe = table.capacity, words.shape[0], table.probe
+  n = words.shape[0]
   position = lax.iota(jnp.int32, n)
-  free = ~win.alive
-  per_id = {'homes': win.homes, 'words': words, 'hi': ~words[:, 0],
-            'lo': ~words[:, 1], 'seen': win.seen, 'free': free}
-  if table.eviction == 'lfu':
-    assert counts is not None
-    win_counts = win.counts if win.counts is not None else window(
-        counts, win.homes, probe)
-    per_id['score'] = jnp.where(
-        free, -1, decayed(win_counts, win.seen, now, table.lfu_period))
-  guarded = guards(table)
-  if guarded:
-    assert sketch is not None and seen is not None
-    per_id['count'] = seen
-
-  def round_on(tables, ids_in, pending_in):
-    """One claim round for the ids `ids_in` (all, or a compacted few)."""
-    ids_table, last_seen, claims = tables
-    homes_in = ids_in['homes']
-    seen_now = window(last_seen, homes_in, probe)
-    untouched = seen_now < now
-    eligible = untouched
-    if table.eviction == 'none':
-      eligible = untouched & ids_in['free']
-    if table.eviction == 'lfu':
-      best = jnp.min(jnp.where(eligible, ids_in['score'], BIG_STEP), axis=1)
-      eligible = eligible & (ids_in['score'] == best[:, None])
-    # Free slots are older than live ones (empty: EMPTY_STEP; expired:
-    # before now - ttl), so the least recently seen comes first.
-    oldest = jnp.where(eligible, ids_in['seen'], BIG_STEP)
-    least = jnp.min(oldest, axis=1)
-    has = pending_in & (least < BIG_STEP)
-    j = first(oldest == least[:, None])
-    stuck = pending_in & ~has
-    if guarded:
-      # The victim's count, read from the slot's owner (untouched at this
-      # step, so the owner the window was read with).
-      victim = has & ~pick(ids_in['free'], j)
-      owner = ids_table.at[jnp.where(victim, homes_in + j, c)].get(
-          mode='fill', fill_value=id_words.EMPTY_WORD)
-      declined_in = victim & ~(ids_in['count'] > estimate(
-          table, sketch, owner, victim))
-      has = has & ~declined_in
-    else:
-      declined_in = jnp.zeros_like(has)
-    target = jnp.where(has, homes_in + j, c)
-    # The smallest id wins: the largest complement of its high word, then
-    # of its low word. The scratch is cleared where it was written.
-    hi, lo = ids_in['hi'], ids_in['lo']
-    claims = claims.at[target].max(hi, mode='drop')
-    won_high = has & (claims.at[target].get(mode='fill', fill_value=0)
-                      == hi)
-    second = jnp.where(won_high, target, c)
-    claims = claims.at[second].set(jnp.uint32(0), mode='drop')
-    claims = claims.at[second].max(lo, mode='drop')
-    won = won_high & (claims.at[second].get(mode='fill', fill_value=0)
-                      == lo)
-    winner = jnp.where(won, target, c)
-    claims = claims.at[winner].set(jnp.uint32(0), mode='drop')
-    ids_table = ids_table.at[winner].set(ids_in['words'], mode='drop')
-    last_seen = last_seen.at[winner].set(now, mode='drop')
-    if table.eviction == 'none':
-      blocked_in = stuck & jnp.any(untouched & ~ids_in['free'], axis=1)
-    else:
-      blocked_in = jnp.zeros_like(stuck)
-    return (ids_table, last_seen, claims), (won, target, j, stuck,
-                                            blocked_in, declined_in)
-
-  def merge(carry, tables, results):
-    _, placed, placed_j, pending, no_room, blocked, declined = carry
-    won, target, j, stuck, blocked_in, declined_in = results
-    return (tables, jnp.where(won, target, placed),
-            jnp.where(won, j, placed_j),
-            pending & ~won & ~stuck & ~declined_in, no_room | stuck,
-            blocked | blocked_in, declined | declined_in)
-
-  def full_round(carry):
-    tables, _, _, pending, _, _, _ = carry
-    new_tables, results = round_on(tables, per_id, pending)
-    return merge(carry, new_tables, results)
-
-  def compact_round(few, carry):
-    """A round for the pending ids compacted into `few` rows."""
-    tables, _, _, pending, _, _, _ = carry
-    rank = jnp.cumsum(pending.astype(jnp.int32)) - 1
-    sel = jnp.full((few,), n, jnp.int32).at[
-        jnp.where(pending, rank, few)].set(position, mode='drop')
-    ids_in = jax.tree.map(
-        lambda a: a.at[sel].get(mode='fill', fill_value=0), per_id)
-    new_tables, results = round_on(tables, ids_in, sel < n)
-    back = [jnp.zeros((n,), r.dtype).at[sel].set(r, mode='drop')
-            for r in results]
-    return merge(carry, new_tables, tuple(back))
-
-  def one_round_skipping(few, carry):
-    # The pending ids compacted into `few` rows when they fit (most ids of
-    # a batch are hits), all `n` rows when they do not: never a subset
-    # chosen by position, so the result does not depend on batch order.
-    left = count(carry[3])
-    carry = lax.cond(left > few, full_round, lambda x: x, carry)
-    return lax.cond((left <= few) & (left > 0),
-                    functools.partial(compact_round, few), lambda x: x,
-                    carry)
-
-  def one_round(few, carry):
-    # Branch-free: a round over all `n` rows gives the compact round's bits
-    # (rows not pending claim nothing and their writes drop) and, with no
-    # id pending, changes nothing.
-    return branching.per_platform(
-        functools.partial(one_round_skipping, few), full_round, carry)
-
-  carry = ((ids, last_seen, claims), jnp.full((n,), c, jnp.int32),
-           jnp.zeros((n,), jnp.int32), admitted, jnp.zeros((n,), bool),
-           jnp.zeros((n,), bool), jnp.zeros((n,), bool))
-  # The first round: the batch's new ids (a share of it once the hot ids
-  # hold rows); later rounds: the few that lost a claim.
-  carry = one_round(min(n, max(32, n // 4)), carry)
-  if table.rounds > 1:
-    later = min(n, max(32, n // 16))
-    carry = lax.fori_loop(
-        1, table.rounds, lambda _, c: one_round(later, c), carry)
-  ((ids, last_seen, claims), placed, placed_j, pending, no_room,
-   blocked, declined) = carry
-  return Claims(ids, last_seen, claims, placed, placed_j, pending,
-                no_room | pending, blocked, declined)
+  who = claimants(table, counts, seen, words, win, now)
+  carry = RoundCarry(
+      ClaimTables(ids, last_seen, claims),
+      jnp.full((n,), table.capacity, jnp.int32), jnp.zeros((n,), jnp.int32),
+      admitted, jnp.zeros((n,), bool), jnp.zeros((n,), bool),
+      jnp.zeros((n,), bool))
+  carry = run_rounds(table, RoundInputs(who, position, sketch, now), carry)
+  return Claims(*carry.tables, carry.placed, carry.placed_j, carry.pending,
+                carry.stuck | carry.pending, carry.blocked, carry.declined)
 
 
 def representatives(claims: jax.Array, slot: jax.Array, capacity: int
