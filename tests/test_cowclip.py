@@ -5,6 +5,7 @@ on every property and implementation with one count per distinct id."""
 from __future__ import annotations
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,31 @@ def test_cowclip_refuses_missing_or_mismatched_counts():
     lazy_optax.cowclip(coef=-1.0)
   with pytest.raises(ValueError, match='max_norm must be'):
     lazy_optax.row_max_norm(0.0)
+
+
+def test_cowclip_checks_every_tables_counts_in_one_check_naming_the_table():
+  # One run-time check for the whole update: the error names the table
+  # whose counts name other ids, and only that one.
+  tx = lazy_optax.lazy(lazy_optax.cowclip())
+  params = {'a': jnp.ones((R, D)), 'b': jnp.ones((R, D))}
+
+  @jax.jit
+  def step(ids, count_ids, state, params):
+    grads = {k: SparseRows(ids, jnp.ones((3, D)), R) for k in params}
+    counts = {k: lazy_optax.id_counts(count_ids[k], R) for k in params}
+    return tx.update(grads, state, params, counts=counts)
+
+  ids = jnp.array([1, 1, 4])
+  with pytest.raises(Exception, match=r"\['b'\] \(2 slots differ\)") as e:
+    jax.block_until_ready(step(ids, {'a': ids, 'b': jnp.array([1, 2, 4])},
+                               tx.init(params), params))
+  assert "['a']" not in str(e.value)
+  same = {'a': ids, 'b': ids}
+  text = step.lower(ids, same, tx.init(params), params).compile().as_text()
+  assert len(re.findall(r'custom_call_target="[^"]*callback', text)) == 1
+  u, _ = step(ids, same, tx.init(params), params)
+  np.testing.assert_array_equal(np.asarray(_to_dense(u['a'])),
+                                np.asarray(_to_dense(u['b'])))
 
 
 def test_max_norm_bounds_written_rows_only_at_update_time():

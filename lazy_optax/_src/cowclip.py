@@ -102,30 +102,39 @@ def id_counts(ids: jax.Array, num_rows: int) -> SparseRows:
   return SparseRows.from_unique(ids, named.astype(jnp.float32), num_rows)
 
 
-def _report_mismatch(count: Any, where: str) -> np.ndarray:
-  count = np.asarray(count)
-  if count.any():
+def _report_mismatch(differ: Any, wheres: tuple[str, ...]) -> np.ndarray:
+  differ = np.asarray(differ).reshape(-1, len(wheres)).sum(axis=0)
+  if differ.any():
+    named = ', '.join(f'{w} ({int(n)} slots differ)'
+                      for w, n in zip(wheres, differ) if n)
     raise ValueError(
-        f'cowclip: counts for {where} name other ids than its gradient '
-        f'({int(count.sum())} slots differ): build them with '
-        'lazy_optax.id_counts from the same batch ids the loss looked up.')
-  return np.zeros(count.shape, np.int32)
+        f'cowclip: counts for {named} name other ids than its gradient: '
+        'build them with lazy_optax.id_counts from the same batch ids the '
+        'loss looked up.')
+  return np.zeros((), np.int32)
 
 
-def _check_same_ids(ids: jax.Array, count_ids: jax.Array, num_rows: int,
-                    where: str) -> jax.Array:
-  """An int32 zero; when the step runs, raises if the ids differ."""
+def _differing_slots(ids: jax.Array, count_ids: jax.Array,
+                     num_rows: int) -> jax.Array:
+  """How many slots of the gradient and of its counts name other rows."""
   named = ((ids >= 0) & (ids < num_rows)) | (
       (count_ids >= 0) & (count_ids < num_rows))
-  differ = jnp.sum((ids != count_ids) & named).astype(jnp.int32)
+  return jnp.sum((ids != count_ids) & named).astype(jnp.int32)
+
+
+def _check_same_ids(differ: list[jax.Array],
+                    wheres: tuple[str, ...]) -> jax.Array:
+  """An int32 zero; when the step runs, raises if any table's counts name
+  other ids than its gradient (one check for the whole update)."""
+  per_table = jnp.stack(differ)
 
   def report(n):
     return jax.pure_callback(
-        lambda m: _report_mismatch(m, where),
+        lambda m: _report_mismatch(m, wheres),
         jax.ShapeDtypeStruct((), jnp.int32), n, vmap_method='expand_dims')
 
-  return jax.lax.cond(differ == 0, lambda n: jnp.zeros((), jnp.int32),
-                      report, differ)
+  return jax.lax.cond(jnp.sum(per_table) == 0,
+                      lambda n: jnp.zeros((), jnp.int32), report, per_table)
 
 
 def _first_entry(values: jax.Array) -> jax.Array:
@@ -133,10 +142,16 @@ def _first_entry(values: jax.Array) -> jax.Array:
   return values[(slice(None),) + (0,) * (values.ndim - 1)]
 
 
-def _row_counts(counts: SparseRows, g: Any, p: Any, name: str,
-                context: Optional[fused.RowContext]) -> jax.Array:
+class _Counts(NamedTuple):
+  """A leaf's counts, one number per row of its gradient, and (inside
+  `lazy`) how many of their slots name other ids than the gradient's."""
+  per_row: jax.Array
+  differ: Optional[jax.Array]
+
+
+def _row_counts(counts: SparseRows, g: Any, p: Any, where: str,
+                context: Optional[fused.RowContext]) -> _Counts:
   """`counts` as one number per row of `g` (lazy's row block or dense)."""
-  where = f'parameter {name}'
   found = context.find(p) if context is not None else None
   block = found[1] if found is not None else None
   num_rows = block.table.shape[0] if block is not None else jnp.shape(g)[0]
@@ -144,35 +159,69 @@ def _row_counts(counts: SparseRows, g: Any, p: Any, name: str,
     raise ValueError(f'cowclip: counts for {where} say num_rows='
                      f'{counts.num_rows}, the parameter has {num_rows} rows.')
   if block is None:
-    return _first_entry(counts.to_dense())
+    return _Counts(_first_entry(counts.to_dense()), None)
   count_ids, values = distinct_rows(counts, f'the counts for {where}')
   if count_ids.shape != block.ids.shape:
     raise ValueError(
         f'cowclip: counts for {where} hold {count_ids.shape[0]} ids, its '
         f'gradient {block.ids.shape[0]}: build them with lazy_optax.id_counts '
         'from the same batch ids the loss looked up.')
-  zero = _check_same_ids(block.ids, count_ids, num_rows, where)
-  return _first_entry(values) + zero
+  return _Counts(_first_entry(values),
+                 _differing_slots(block.ids, count_ids, num_rows))
 
 
-def _clip_leaf(rule: fused.RowRule, g: Any, p: Any, c: Any, name: str,
-               hyper: dict[str, Any], impl: str,
-               context: Optional[fused.RowContext]) -> Any:
+def _leaf_counts(g: Any, p: Any, c: Any, where: str,
+                 context: Optional[fused.RowContext]) -> Optional[_Counts]:
+  """The checked counts of one leaf, or None for a leaf not to clip."""
   if c is None:
-    return g
+    return None
   if not isinstance(c, SparseRows):
-    raise TypeError(f'cowclip: counts for parameter {name} must be a '
+    raise TypeError(f'cowclip: counts for {where} must be a '
                     f'SparseRows (lazy_optax.id_counts) or None, got '
                     f'{type(c).__name__}.')
   if isinstance(g, SparseRows):
-    raise ValueError(f'cowclip: the gradient of parameter {name} is a '
+    raise ValueError(f'cowclip: the gradient of {where} is a '
                      'SparseRows: use cowclip inside lazy(...).')
-  count = _row_counts(c, g, p, name, context)
+  return _row_counts(c, g, p, where, context)
+
+
+def _clip_leaf(rule: fused.RowRule, g: Any, p: Any, count: jax.Array,
+               hyper: dict[str, Any], impl: str,
+               context: Optional[fused.RowContext]) -> Any:
+  """The clipped gradient rows `g`, `count` occurrences each."""
   per_occurrence = g / broadcast_rows(jnp.maximum(count, 1), g).astype(
       g.dtype)
   u = fused.apply_stateless(rule, per_occurrence, p, hyper, impl,
                             context=context)
   return u * broadcast_rows(count, u).astype(u.dtype)
+
+
+def _clip_tree(rule: fused.RowRule, updates: Any, params: Any, counts: Any,
+               hyper: dict[str, Any], impl: str,
+               context: Optional[fused.RowContext]) -> Any:
+  """Every leaf with counts clipped, after one check of all their ids."""
+  flat, treedef_ = jax.tree_util.tree_flatten_with_path(
+      updates, is_leaf=is_sparse_rows)
+  treedef: Any = treedef_
+  try:
+    p_leaves = treedef.flatten_up_to(params)
+    c_leaves = treedef.flatten_up_to(counts)
+  except (ValueError, TypeError) as e:
+    raise ValueError('cowclip: params and counts must have the structure '
+                     f'of the gradients ({e}).') from e
+  wheres = [f'parameter {jax.tree_util.keystr(path)}' for path, _ in flat]
+  leaf_counts = [_leaf_counts(g, p, c, where, context)
+                 for (_, g), p, c, where in zip(flat, p_leaves, c_leaves,
+                                                wheres)]
+  checked = [(k, lc.differ) for k, lc in enumerate(leaf_counts)
+             if lc is not None and lc.differ is not None]
+  zero = (_check_same_ids([d for _, d in checked],
+                          tuple(wheres[k] for k, _ in checked))
+          if checked else 0)
+  out = [g if lc is None else
+         _clip_leaf(rule, g, p, lc.per_row + zero, hyper, impl, context)
+         for (_, g), p, lc in zip(flat, p_leaves, leaf_counts)]
+  return treedef.unflatten(out)
 
 
 def cowclip(
@@ -239,18 +288,8 @@ def cowclip(
           'lazy_optax.id_counts(ids, num_rows) for each table (None for '
           'leaves not to clip), passed as update(grads, state, params, '
           'counts=counts).')
-    flat, treedef = jax.tree_util.tree_flatten_with_path(
-        updates, is_leaf=is_sparse_rows)
-    try:
-      p_leaves = treedef.flatten_up_to(params)
-      c_leaves = treedef.flatten_up_to(counts)
-    except (ValueError, TypeError) as e:
-      raise ValueError('cowclip: params and counts must have the structure '
-                       f'of the gradients ({e}).') from e
-    out = [_clip_leaf(rule, g, p, c, jax.tree_util.keystr(path), hyper, impl,
-                      context)
-           for (path, g), p, c in zip(flat, p_leaves, c_leaves)]
-    return treedef.unflatten(out), state
+    return (_clip_tree(rule, updates, params, counts, hyper, impl, context),
+            state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -43,6 +43,7 @@ class MultiStepsState(NamedTuple):
 
 
 def _is_leaf(x: Any) -> bool:
+  """Where the tree maps stop: at `None`, a `SparseRows` or a `RowBuffer`."""
   return x is None or is_sparse_rows(x) or isinstance(x, RowBuffer)
 
 
@@ -55,6 +56,163 @@ def _emptied(acc: Any, grad: Any, emit: jax.Array) -> Any:
         jnp.where(emit, jnp.asarray(grad.num_rows, acc.ids.dtype), acc.ids),
         jnp.where(emit, jnp.zeros_like(acc.values), acc.values))
   return jnp.where(emit, jnp.zeros_like(acc), acc)
+
+
+def _empty_buffer(param: Any, n: int, every_k: int) -> RowBuffer:
+  """A `RowBuffer` of `every_k * n` unfilled slots for the table `param`."""
+  num_rows = int(jnp.shape(param)[0])
+  ids = jnp.full((every_k * n,), num_rows, index_dtype(num_rows))
+  values = jnp.zeros((every_k * n,) + tuple(jnp.shape(param)[1:]),
+                     jnp.result_type(param))
+  return RowBuffer(ids, values)
+
+
+def _empty_acc(params: Any, ids_per_step: Mapping[str, int],
+               every_k: int) -> Any:
+  """The accumulators of `params`, all empty: a `RowBuffer` per table.
+
+  Raises:
+    ValueError: if `ids_per_step` names a path that is not a parameter's.
+  """
+  found = set()
+
+  def acc_for(path, p):
+    if p is None:
+      return None
+    name = path_name(path)
+    if name in ids_per_step:
+      found.add(name)
+      return _empty_buffer(p, ids_per_step[name], every_k)
+    return jnp.zeros(jnp.shape(p), jnp.result_type(p))
+
+  acc = jax.tree_util.tree_map_with_path(acc_for, params,
+                                         is_leaf=lambda x: x is None)
+  missing = sorted(set(ids_per_step) - found)
+  if missing:
+    names = [path_name(p)
+             for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    raise ValueError(
+        f'multi_steps: ids_per_step names {missing}, which are not '
+        f'parameter paths; parameters: {names}.')
+  return acc
+
+
+def _init(inner: optax.GradientTransformationExtraArgs, params: Any,
+          ids_per_step: Mapping[str, int], every_k: int) -> MultiStepsState:
+  """The state before the first step: empty accumulators, no update made."""
+  acc = _empty_acc(params, ids_per_step, every_k)
+  return MultiStepsState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
+                         inner.init(params), acc)
+
+
+def _add_dense(path: Any, acc: jax.Array, g: Any, scale: float) -> jax.Array:
+  """A dense parameter's accumulator `acc` plus its gradient `g`, scaled."""
+  if isinstance(g, SparseRows):
+    name = path_name(path)
+    raise ValueError(
+        f'multi_steps: parameter {name} gets SparseRows gradients but '
+        f'ids_per_step does not name it, so its accumulator would be '
+        f'dense and rows absent from a window would move as well. Add '
+        f'{name!r}: <ids per step> to ids_per_step.')
+  return acc + jnp.asarray(g) * scale
+
+
+def _add_rows(path: Any, buf: RowBuffer, g: Any, slot: jax.Array,
+              every_k: int, scale: float) -> RowBuffer:
+  """A table's `buf` with its `SparseRows` gradient `g`, scaled, in `slot`.
+
+  Slot `slot` (the step's index in its window) holds the buffer's rows
+  `slot * n` to `(slot + 1) * n`, for `n` ids per step.
+  """
+  name = path_name(path)
+  n = buf.ids.shape[0] // every_k
+  if not isinstance(g, SparseRows) or g.num_ids != n:
+    got = (f'a SparseRows of {g.num_ids} ids' if isinstance(g, SparseRows)
+           else 'a dense gradient')
+    raise ValueError(
+        f'multi_steps was set up for SparseRows gradients of {n} ids per '
+        f'step for parameter {name}, got {got}.')
+  g.check(f'parameter {name}')
+  start = slot * n
+  ids = jax.lax.dynamic_update_slice_in_dim(
+      buf.ids, g.safe_ids(f'parameter {name}').astype(buf.ids.dtype),
+      start, 0)
+  values = jax.lax.dynamic_update_slice_in_dim(
+      buf.values, (g.values * scale).astype(buf.values.dtype), start, 0)
+  return RowBuffer(ids, values)
+
+
+def _added(acc: Any, updates: Any, slot: jax.Array, every_k: int,
+           use_grad_mean: bool) -> Any:
+  """The accumulators `acc` with one step's gradients `updates` added.
+
+  Each gradient is scaled by `1 / every_k` if `use_grad_mean`, so that the
+  `every_k` steps add up to their mean; a table's rows go to slot `slot`.
+  """
+  scale = 1.0 / every_k if use_grad_mean else 1.0
+
+  def add(path, a, g):
+    if a is None:
+      return None
+    if isinstance(a, RowBuffer):
+      return _add_rows(path, a, g, slot, every_k, scale)
+    return _add_dense(path, a, g, scale)
+
+  return jax.tree_util.tree_map_with_path(add, acc, updates, is_leaf=_is_leaf)
+
+
+def _accumulated_grads(acc: Any, updates: Any) -> Any:
+  """The gradients `tx` gets: `acc`, with a `SparseRows` per `RowBuffer`.
+
+  A buffer holds its slots as written, repeated ids included: `tx` sums
+  them first, as for any gradient.
+  """
+  return jax.tree.map(
+      lambda a, g: SparseRows.from_unique(a.ids, a.values, g.num_rows)
+      if isinstance(a, RowBuffer) else a, acc, updates, is_leaf=_is_leaf)
+
+
+def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
+               acc: Any, updates: Any, inner_state: Any, params: Any,
+               extra_args: Mapping[str, Any]) -> tuple[Any, Any]:
+  """`tx`'s updates and state if `emit`, else zero updates and `inner_state`.
+
+  `tx` updates with the accumulated gradients `acc`; `updates`, the step's
+  gradients, give the tables' `num_rows`.
+  """
+  def do_update(_):
+    grads = _accumulated_grads(acc, updates)
+    return inner.update(grads, inner_state, params, **extra_args)
+
+  def skip(_):
+    shapes = jax.eval_shape(do_update, None)[0]
+    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    return zeros, inner_state
+
+  return jax.lax.cond(emit, do_update, skip, None)
+
+
+def _update(inner: optax.GradientTransformationExtraArgs, every_k: int,
+            use_grad_mean: bool, updates: Any, state: MultiStepsState,
+            params: Any, extra_args: Mapping[str, Any]
+            ) -> tuple[Any, MultiStepsState]:
+  """One step: adds `updates`; every `every_k`-th step, updates with `tx`.
+
+  Returns `tx`'s updates and empties the accumulators on the step that ends
+  a window; on the others, zero updates and `tx`'s state as it was.
+  """
+  acc = _added(state.acc, updates, state.mini_step, every_k, use_grad_mean)
+  emit = state.mini_step == every_k - 1
+  new_updates, inner_state = _update_if(emit, inner, acc, updates,
+                                        state.inner_state, params, extra_args)
+  acc = jax.tree.map(lambda a, g: _emptied(a, g, emit), acc, updates,
+                     is_leaf=_is_leaf)
+  return new_updates, MultiStepsState(
+      mini_step=(state.mini_step + 1) % every_k,
+      gradient_step=jnp.where(emit,
+                              optax.safe_increment(state.gradient_step),
+                              state.gradient_step),
+      inner_state=inner_state, acc=acc)
 
 
 def multi_steps(
@@ -109,94 +267,11 @@ def multi_steps(
   inner = optax.with_extra_args_support(tx)
   wanted = dict(ids_per_step)
 
-  def empty_buffer(param: Any, n: int) -> RowBuffer:
-    num_rows = int(jnp.shape(param)[0])
-    ids = jnp.full((every_k * n,), num_rows, index_dtype(num_rows))
-    values = jnp.zeros((every_k * n,) + tuple(jnp.shape(param)[1:]),
-                       jnp.result_type(param))
-    return RowBuffer(ids, values)
-
   def init_fn(params):
-    found = set()
-
-    def acc_for(path, p):
-      if p is None:
-        return None
-      name = path_name(path)
-      if name in wanted:
-        found.add(name)
-        return empty_buffer(p, wanted[name])
-      return jnp.zeros(jnp.shape(p), jnp.result_type(p))
-
-    acc = jax.tree_util.tree_map_with_path(acc_for, params,
-                                           is_leaf=lambda x: x is None)
-    missing = sorted(set(wanted) - found)
-    if missing:
-      names = [path_name(p)
-               for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-      raise ValueError(
-          f'multi_steps: ids_per_step names {missing}, which are not '
-          f'parameter paths; parameters: {names}.')
-    return MultiStepsState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
-                           inner.init(params), acc)
-
-  def add_step(path, acc, g, slot):
-    if acc is None:
-      return None
-    scale = 1.0 / every_k if use_grad_mean else 1.0
-    if not isinstance(acc, RowBuffer):
-      if isinstance(g, SparseRows):
-        name = path_name(path)
-        raise ValueError(
-            f'multi_steps: parameter {name} gets SparseRows gradients but '
-            f'ids_per_step does not name it, so its accumulator would be '
-            f'dense and rows absent from a window would move as well. Add '
-            f'{name!r}: <ids per step> to ids_per_step.')
-      return acc + jnp.asarray(g) * scale
-    name = path_name(path)
-    n = acc.ids.shape[0] // every_k
-    if not isinstance(g, SparseRows) or g.num_ids != n:
-      got = (f'a SparseRows of {g.num_ids} ids' if isinstance(g, SparseRows)
-             else 'a dense gradient')
-      raise ValueError(
-          f'multi_steps was set up for SparseRows gradients of {n} ids per '
-          f'step for parameter {name}, got {got}.')
-    g.check(f'parameter {name}')
-    start = slot * n
-    ids = jax.lax.dynamic_update_slice_in_dim(
-        acc.ids, g.safe_ids(f'parameter {name}').astype(acc.ids.dtype),
-        start, 0)
-    values = jax.lax.dynamic_update_slice_in_dim(
-        acc.values, (g.values * scale).astype(acc.values.dtype), start, 0)
-    return RowBuffer(ids, values)
+    return _init(inner, params, wanted, every_k)
 
   def update_fn(updates, state, params=None, **extra_args):
-    acc = jax.tree_util.tree_map_with_path(
-        lambda path, a, g: add_step(path, a, g, state.mini_step),
-        state.acc, updates, is_leaf=_is_leaf)
-    emit = state.mini_step == every_k - 1
-
-    def do_update(_):
-      # A buffer holds its slots as written, repeated ids included: `tx`
-      # sums them first, as for any gradient.
-      grads = jax.tree.map(
-          lambda a, g: SparseRows.from_unique(a.ids, a.values, g.num_rows)
-          if isinstance(a, RowBuffer) else a, acc, updates, is_leaf=_is_leaf)
-      return inner.update(grads, state.inner_state, params, **extra_args)
-
-    def skip(_):
-      shapes = jax.eval_shape(do_update, None)[0]
-      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-      return zeros, state.inner_state
-
-    new_updates, inner_state = jax.lax.cond(emit, do_update, skip, None)
-    acc = jax.tree.map(lambda a, g: _emptied(a, g, emit), acc, updates,
-                       is_leaf=_is_leaf)
-    return new_updates, MultiStepsState(
-        mini_step=(state.mini_step + 1) % every_k,
-        gradient_step=jnp.where(emit,
-                                optax.safe_increment(state.gradient_step),
-                                state.gradient_step),
-        inner_state=inner_state, acc=acc)
+    return _update(inner, every_k, use_grad_mean, updates, state, params,
+                   extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
