@@ -194,14 +194,9 @@ def lookup(table: Any, ids: Any, dtype: Any = None, *,
   return lookup_rows(table, ids, dtype=dtype, padding_id=padding_id)
 
 
-def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
-             mode: str = 'mean', per_sample_weights: Any = None,
-             padding_id: Optional[int] = None, dtype: Any = None,
-             path: Optional[str] = None,
-             caller: str = 'lookup_bag') -> jax.Array:
-  """`lookup_bag`, for the layers: `path` names the table in messages."""
-  where = where_of(caller, path)
-  ids = check_ids(ids, where, _rows_of(table))
+def _check_bag_args(ids: jax.Array, mode: str, mask: Any, lengths: Any,
+                    where: str) -> None:
+  """Refuses ids not `[batch, max_len]`, a bad mode, both mask and lengths."""
   if ids.ndim != 2:
     raise ValueError(
         f'{where}: ids must be a padded [batch, max_len] array, got shape '
@@ -210,57 +205,98 @@ def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
     raise ValueError(f'{where}: mode must be one of {_MODES}, got {mode!r}.')
   if mask is not None and lengths is not None:
     raise ValueError(f'{where}: give mask or lengths, not both.')
+
+
+def _bag_mask(mask: Any, ids: jax.Array, where: str) -> jax.Array:
+  """`mask` as an array; it must be boolean, of the ids' shape."""
+  mask = mask if isinstance(mask, jax.core.Tracer) else jnp.asarray(mask)
+  if mask.shape != ids.shape or mask.dtype != jnp.bool_:
+    raise ValueError(
+        f'{where}: mask must be a boolean array of the ids\' shape '
+        f'{tuple(ids.shape)}, got {mask.dtype}{list(mask.shape)}.')
+  return mask
+
+
+def _bag_lengths(lengths: Any, ids: jax.Array, where: str) -> jax.Array:
+  """`lengths` as integers `[batch]`, each in `[0, max_len]` where concrete."""
+  lengths = check_ids(lengths, where + ' (lengths)')
+  if lengths.shape != ids.shape[:1]:
+    raise ValueError(
+        f'{where}: lengths must have shape [batch] = {ids.shape[:1]}, got '
+        f'{tuple(lengths.shape)}.')
+  if not isinstance(lengths, jax.core.Tracer):
+    host = np.asarray(lengths)
+    bad = np.flatnonzero((host < 0) | (host > ids.shape[1]))
+    if bad.size:
+      raise ValueError(
+          f'{where}: lengths[{int(bad[0])}] = {int(host[bad[0]])} is not a '
+          f'length of a bag of {ids.shape[1]} slots (lengths must lie in '
+          f'[0, {ids.shape[1]}]; {bad.size} do not).')
+  return lengths
+
+
+def _bag_members(ids: jax.Array, mask: Any, lengths: Any,
+                 padding_id: Optional[int], where: str) -> jax.Array:
+  """Which slots are in their bag: inside `mask` or `lengths`, not padding.
+
+  At most one of `mask` and `lengths` is given (neither: every slot).
+  """
   member = jnp.ones(ids.shape, bool)
   if mask is not None:
-    mask = mask if isinstance(mask, jax.core.Tracer) else jnp.asarray(mask)
-    if mask.shape != ids.shape or mask.dtype != jnp.bool_:
-      raise ValueError(
-          f'{where}: mask must be a boolean array of the ids\' shape '
-          f'{tuple(ids.shape)}, got {mask.dtype}{list(mask.shape)}.')
-    member = mask
+    member = _bag_mask(mask, ids, where)
   if lengths is not None:
-    lengths = check_ids(lengths, where + ' (lengths)')
-    if lengths.shape != ids.shape[:1]:
-      raise ValueError(
-          f'{where}: lengths must have shape [batch] = {ids.shape[:1]}, got '
-          f'{tuple(lengths.shape)}.')
-    if not isinstance(lengths, jax.core.Tracer):
-      host = np.asarray(lengths)
-      bad = np.flatnonzero((host < 0) | (host > ids.shape[1]))
-      if bad.size:
-        raise ValueError(
-            f'{where}: lengths[{int(bad[0])}] = {int(host[bad[0]])} is not a '
-            f'length of a bag of {ids.shape[1]} slots (lengths must lie in '
-            f'[0, {ids.shape[1]}]; {bad.size} do not).')
+    lengths = _bag_lengths(lengths, ids, where)
     member = jnp.arange(ids.shape[1])[None, :] < lengths[:, None]
   real = not_padding(ids, padding_id, where)
   if real is not None:
     member = member & real
-  if per_sample_weights is not None:
-    if mode == 'max':
-      raise ValueError(
-          f"{where}: per_sample_weights work with mode='sum' or 'mean', not "
-          "'max' (as in torch.nn.EmbeddingBag).")
-    weights = per_sample_weights
-    if not isinstance(weights, jax.core.Tracer):
-      weights = jnp.asarray(weights)
-    if weights.shape != ids.shape or not jnp.issubdtype(weights.dtype,
-                                                        jnp.inexact):
-      raise ValueError(
-          f'{where}: per_sample_weights must be a floating array of the ids\' '
-          f'shape {tuple(ids.shape)}, got '
-          f'{weights.dtype}{list(weights.shape)}.')
-  rows = _gather(table, ids, member, dtype, caller, path)     # [B, L, ...]
-  slot = broadcast_rows(member, rows)
-  if mode == 'max':
-    lowest = (-jnp.inf if jnp.issubdtype(rows.dtype, jnp.inexact)
-              else jnp.iinfo(rows.dtype).min)
-    # The first maximum of each entry takes it, and its whole gradient (as
-    # torch.nn.EmbeddingBag does; `jnp.max` would split a tie's gradient).
-    first = jnp.argmax(jnp.where(slot, rows, lowest), axis=1)
-    out = jnp.take_along_axis(rows, first[:, None], axis=1)[:, 0]
-    return jnp.where(jnp.any(slot, axis=1), out, jnp.zeros_like(out))
+  return member
+
+
+def _bag_weights(per_sample_weights: Any, ids: jax.Array, mode: str,
+                 where: str) -> Optional[jax.Array]:
+  """The weights as an array (None without them): floating, the ids' shape.
+
+  Refused with `mode='max'`, as in `torch.nn.EmbeddingBag`.
+  """
   if per_sample_weights is None:
+    return None
+  if mode == 'max':
+    raise ValueError(
+        f"{where}: per_sample_weights work with mode='sum' or 'mean', not "
+        "'max' (as in torch.nn.EmbeddingBag).")
+  weights = per_sample_weights
+  if not isinstance(weights, jax.core.Tracer):
+    weights = jnp.asarray(weights)
+  if weights.shape != ids.shape or not jnp.issubdtype(weights.dtype,
+                                                      jnp.inexact):
+    raise ValueError(
+        f'{where}: per_sample_weights must be a floating array of the ids\' '
+        f'shape {tuple(ids.shape)}, got '
+        f'{weights.dtype}{list(weights.shape)}.')
+  return weights
+
+
+def _max_pool(rows: jax.Array, slot: jax.Array) -> jax.Array:
+  """Each bag's elementwise maximum over its member slots (zeros if empty).
+
+  The first maximum of each entry takes it, and its whole gradient (as
+  `torch.nn.EmbeddingBag` does; `jnp.max` would split a tie's gradient).
+  """
+  lowest = (-jnp.inf if jnp.issubdtype(rows.dtype, jnp.inexact)
+            else jnp.iinfo(rows.dtype).min)
+  first = jnp.argmax(jnp.where(slot, rows, lowest), axis=1)
+  out = jnp.take_along_axis(rows, first[:, None], axis=1)[:, 0]
+  return jnp.where(jnp.any(slot, axis=1), out, jnp.zeros_like(out))
+
+
+def _weighted_pool(rows: jax.Array, slot: jax.Array, member: jax.Array,
+                   weights: Optional[jax.Array], mode: str) -> jax.Array:
+  """Each bag's weighted sum (`'sum'`) or weighted mean (`'mean'`).
+
+  Weights default to 1; an empty bag (or one of zero weight) gives zeros.
+  """
+  if weights is None:
     weights = member.astype(rows.dtype)
   else:
     weights = jnp.where(member, weights.astype(rows.dtype), 0)
@@ -274,6 +310,24 @@ def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
   empty = denominator == 0
   return jnp.where(empty, 0, total / jnp.where(empty, 1, denominator)).astype(
       total.dtype)
+
+
+def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
+             mode: str = 'mean', per_sample_weights: Any = None,
+             padding_id: Optional[int] = None, dtype: Any = None,
+             path: Optional[str] = None,
+             caller: str = 'lookup_bag') -> jax.Array:
+  """`lookup_bag`, for the layers: `path` names the table in messages."""
+  where = where_of(caller, path)
+  ids = check_ids(ids, where, _rows_of(table))
+  _check_bag_args(ids, mode, mask, lengths, where)
+  member = _bag_members(ids, mask, lengths, padding_id, where)
+  weights = _bag_weights(per_sample_weights, ids, mode, where)
+  rows = _gather(table, ids, member, dtype, caller, path)     # [B, L, ...]
+  slot = broadcast_rows(member, rows)
+  if mode == 'max':
+    return _max_pool(rows, slot)
+  return _weighted_pool(rows, slot, member, weights, mode)
 
 
 def lookup_bag(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,

@@ -17,7 +17,7 @@ Cost: O(batch x row size); nothing reads or writes a whole table.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
 import weakref
 import zlib
 
@@ -238,6 +238,123 @@ def reset_rows(
   return _reset_jit(tx, init, params, opt_state, fresh, key)
 
 
+class _Plan(NamedTuple):
+  """What each chunk of a reset reads (the tables by their position)."""
+  init_fn: Any                      # tx.init
+  init: Any                         # the row initializer, or None for zeros
+  key: Any
+  rebuild: Callable[[list[Any]], Any]
+  names: list[str]                  # of the parameter leaves
+  leaves: list[Any]                 # the parameter leaves, before the reset
+  packed: dict[int, tuple[jax.Array, jax.Array, jax.Array]]  # by table, _pack's
+  wanted: tuple[int, ...]           # the state leaves that a table owns
+  owners: list[Optional[int]]       # of every state leaf
+
+
+def _state_owners(init_fn: Any, leaves: list[Any], rebuild: Any,
+                  positions: list[int], opt_state: Any) -> list[Optional[int]]:
+  """`row_state.row_owners` of `opt_state`, for the tables at `positions`."""
+  shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+            for x in leaves]
+  return _owner_cache(init_fn)(
+      param_shapes=shapes, rebuild_params=rebuild,
+      row_param_positions=positions, state=opt_state)
+
+
+def _write_rows(leaf: jax.Array, slots: jax.Array,
+                rows: jax.Array) -> jax.Array:
+  """`leaf` with `rows` at `slots` (filler slots dropped), sharding kept."""
+  return leaf.at[slots].set(rows, mode='drop',
+                            **_sharding.scatter_kwargs(leaf))
+
+
+def _initial_rows(init: Any, key: Any, name: str, table: Any,
+                  slots: jax.Array, ids: jax.Array) -> jax.Array:
+  """`table`'s fresh rows for `slots` (ids `ids`): `init`'s, or zeros."""
+  row_shape = tuple(jnp.shape(table)[1:])
+  dtype = jnp.result_type(table)
+  if init is None:
+    return jnp.zeros((slots.shape[0], *row_shape), dtype)
+  return fresh_rows(init, key, ids, row_shape, dtype, name).astype(dtype)
+
+
+def _reset_tables(plan: _Plan, start: int, size: int,
+                  table_leaves: tuple[jax.Array, ...]
+                  ) -> tuple[tuple[jax.Array, ...], list[Any],
+                             dict[int, jax.Array]]:
+  """Writes fresh entries `[start, start + size)` into every table.
+
+  Returns:
+    The tables, the parameter leaves with each table replaced by its chunk
+    of fresh rows (what `tx.init` sees), and each table's chunk of slots.
+  """
+  tables = list(table_leaves)
+  stand_in = list(plan.leaves)
+  chunk_slots = {}
+  for k, pos in enumerate(plan.packed):
+    slots, ids, _ = plan.packed[pos]
+    slots = slots[start:start + size]
+    ids = ids[start:start + size]
+    chunk_slots[pos] = slots
+    rows = _initial_rows(plan.init, plan.key, plan.names[pos],
+                         plan.leaves[pos], slots, ids)
+    stand_in[pos] = rows
+    tables[k] = _write_rows(tables[k], slots, rows)
+  return tuple(tables), stand_in, chunk_slots
+
+
+def _check_fresh_state(value: Any, slots: jax.Array, leaf: Any) -> None:
+  """Refuses a fresh state leaf that is not one row per fresh slot."""
+  expected = (slots.shape[0], *jnp.shape(leaf)[1:])
+  if tuple(value.shape) != expected:
+    raise ValueError(
+        f'reset_rows: tx.init gives a state leaf of shape '
+        f'{tuple(value.shape)} for {slots.shape[0]} fresh rows, '
+        f'expected {expected}.')
+
+
+def _reset_state(plan: _Plan, stand_in: list[Any],
+                 chunk_slots: dict[int, jax.Array],
+                 owned_leaves: tuple[jax.Array, ...]
+                 ) -> tuple[jax.Array, ...]:
+  """Writes what `tx.init` gives the chunk's fresh rows into owned leaves."""
+  owned = list(owned_leaves)
+  if plan.wanted:
+    fresh_state = _fresh_state_leaves(plan.init_fn, plan.rebuild(stand_in),
+                                      plan.wanted)
+    for k, (i, value) in enumerate(zip(plan.wanted, fresh_state)):
+      owner = plan.owners[i]
+      assert owner is not None
+      slots = chunk_slots[owner]
+      leaf = owned[k]
+      _check_fresh_state(value, slots, leaf)
+      owned[k] = _write_rows(leaf, slots, value.astype(leaf.dtype))
+  return tuple(owned)
+
+
+def _reset_chunk(plan: _Plan, start: int, size: int, carry: Any) -> Any:
+  """Resets fresh entries `[start, start + size)` of every table.
+
+  `carry` is `(tables, owned state leaves)`, and so is the result.
+  """
+  table_leaves, owned_leaves = carry
+  table_leaves, stand_in, chunk_slots = _reset_tables(plan, start, size,
+                                                      table_leaves)
+  return table_leaves, _reset_state(plan, stand_in, chunk_slots, owned_leaves)
+
+
+def _reset_all(reset_chunk: Callable[[int, int, Any], Any], n: int,
+               count: jax.Array, carry: Any) -> Any:
+  """`reset_chunk` over all `n` entries: at once where one chunk holds them,
+  else in chunks skipping those past `count` on the CPU, at once elsewhere."""
+  size = _chunk_size(n)
+  if size >= n:
+    return reset_chunk(0, n, carry)
+  return branching.per_platform(
+      functools.partial(_chunks_skipping, reset_chunk, n, size),
+      lambda c, _: reset_chunk(0, n, c), carry, count)
+
+
 def _reset(tx: optax.GradientTransformation, init: Any, params: Any,
            opt_state: Any, fresh: Mapping[str, FreshRows],
            key: Any) -> tuple[Any, Any]:
@@ -247,73 +364,25 @@ def _reset(tx: optax.GradientTransformation, init: Any, params: Any,
   names = [path_name(p) for p, _ in flat]
   leaves = [x for _, x in flat]
   positions = {names.index(name): rows for name, rows in fresh.items()}
-
-  shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-            for x in leaves]
-  owners = _owner_cache(tx.init)(
-      param_shapes=shapes, rebuild_params=rebuild,
-      row_param_positions=list(positions), state=opt_state)
+  owners = _state_owners(tx.init, leaves, rebuild, list(positions), opt_state)
   state_leaves, state_def = jax.tree.flatten(opt_state)
   wanted = tuple(i for i, o in enumerate(owners) if o in positions)
   packed = {pos: _pack(rows, jnp.shape(leaves[pos])[0])
             for pos, rows in positions.items()}
   n = max(rows.slots.shape[0] for rows in positions.values())
   count = functools.reduce(jnp.maximum, [p[2] for p in packed.values()])
-
-  def reset_chunk(start: int, size: int, carry):
-    """Resets fresh entries `[start, start + size)` of every table."""
-    table_leaves, owned_leaves = carry
-    table_leaves, owned_leaves = list(table_leaves), list(owned_leaves)
-    stand_in = list(leaves)
-    chunk_slots = {}
-    for k, pos in enumerate(positions):
-      slots, ids, _ = packed[pos]
-      slots = slots[start:start + size]
-      ids = ids[start:start + size]
-      chunk_slots[pos] = slots
-      table = leaves[pos]
-      row_shape = tuple(jnp.shape(table)[1:])
-      dtype = jnp.result_type(table)
-      if init is None:
-        rows = jnp.zeros((slots.shape[0], *row_shape), dtype)
-      else:
-        rows = fresh_rows(init, key, ids, row_shape, dtype,
-                          names[pos]).astype(dtype)
-      stand_in[pos] = rows
-      table_leaves[k] = table_leaves[k].at[slots].set(
-          rows, mode='drop', **_sharding.scatter_kwargs(table_leaves[k]))
-    if wanted:
-      fresh_state = _fresh_state_leaves(tx.init, rebuild(stand_in), wanted)
-      for k, (i, value) in enumerate(zip(wanted, fresh_state)):
-        owner = owners[i]
-        assert owner is not None
-        slots = chunk_slots[owner]
-        leaf = owned_leaves[k]
-        expected = (slots.shape[0], *jnp.shape(leaf)[1:])
-        if tuple(value.shape) != expected:
-          raise ValueError(
-              f'reset_rows: tx.init gives a state leaf of shape '
-              f'{tuple(value.shape)} for {slots.shape[0]} fresh rows, '
-              f'expected {expected}.')
-        owned_leaves[k] = leaf.at[slots].set(
-            value.astype(leaf.dtype), mode='drop',
-            **_sharding.scatter_kwargs(leaf))
-    return tuple(table_leaves), tuple(owned_leaves)
-
-  carry = (tuple(leaves[pos] for pos in positions),
-           tuple(state_leaves[i] for i in wanted))
-  size = _chunk_size(n)
-  if size >= n:
-    carry = reset_chunk(0, n, carry)
-  else:
-    carry = branching.per_platform(
-        functools.partial(_chunks_skipping, reset_chunk, n, size),
-        lambda c, _: reset_chunk(0, n, c), carry, count)
-  for pos, value in zip(positions, carry[0]):
-    leaves[pos] = value
-  for i, value in zip(wanted, carry[1]):
+  plan = _Plan(tx.init, init, key, rebuild, names, leaves, packed, wanted,
+               owners)
+  tables, owned = _reset_all(
+      functools.partial(_reset_chunk, plan), n, count,
+      (tuple(leaves[pos] for pos in positions),
+       tuple(state_leaves[i] for i in wanted)))
+  new_leaves = list(leaves)
+  for pos, value in zip(positions, tables):
+    new_leaves[pos] = value
+  for i, value in zip(wanted, owned):
     state_leaves[i] = value
-  return rebuild(leaves), state_def.unflatten(  # type: ignore[attr-defined]
+  return rebuild(new_leaves), state_def.unflatten(  # type: ignore[attr-defined]
       state_leaves)
 
 

@@ -31,6 +31,130 @@ def _all_dims(tree: Any) -> set[int]:
   return dims
 
 
+def _row_count_probe(
+    param_shapes: Sequence[jax.ShapeDtypeStruct],
+    row_param_positions: Sequence[int],
+    used: set[int],
+) -> tuple[list[jax.ShapeDtypeStruct], dict[int, int]]:
+  """The shapes with each row-lazy parameter given its own unused row count.
+
+  The probe sizes avoid every size in `used` (the sizes of the state and
+  the parameters; a state that differs from what `init` gives is refused
+  by `row_owners`).
+
+  Returns:
+    The probe shapes, and the position of the parameter of each probe size.
+  """
+  probe_shapes = list(param_shapes)
+  probe_of: dict[int, int] = {}
+  size = _FIRST_PROBE
+  for pos in row_param_positions:
+    while size in used:
+      size += 2
+    probe_of[size] = pos
+    shape = param_shapes[pos]
+    probe_shapes[pos] = jax.ShapeDtypeStruct((size, *shape.shape[1:]),
+                                             shape.dtype)
+    size += 2
+  return probe_shapes, probe_of
+
+
+def _row_shape_probe(
+    param_shapes: Sequence[jax.ShapeDtypeStruct],
+    row_param_positions: Sequence[int],
+) -> list[jax.ShapeDtypeStruct]:
+  """The shapes with each row-lazy parameter's row shape (not row count) grown.
+
+  A leaf that follows this probe but not the row count holds a statistic
+  across rows (adafactor's factored column moment, a column sum), which the
+  touched rows alone cannot update.
+  """
+  trail_shapes = list(param_shapes)
+  for pos in row_param_positions:
+    shape = param_shapes[pos]
+    trail_shapes[pos] = jax.ShapeDtypeStruct(
+        (shape.shape[0], *(d + 1 for d in shape.shape[1:])), shape.dtype)
+  return trail_shapes
+
+
+def _check_structure(state: Any, real: Any, state_def: Any,
+                     real_def: Any) -> None:
+  """Refuses a state whose tree is not the one `init` gives (`real`)."""
+  if state_def != real_def:
+    difference = tree_diff.describe(
+        state, real, 'the given state', 'the state this optimizer makes')
+    raise ValueError(
+        'The optimizer state does not have the structure that this '
+        'transformation\'s init gives for these parameters: was it built by '
+        f'another optimizer or for other parameters? {difference}.\n'
+        f' expected: {real_def}\n got: {state_def}')
+
+
+def _check_leaf_shape(where: str, state_leaf: Any, real: Any) -> None:
+  """Refuses a state leaf whose shape is not the one `init` gives."""
+  if tuple(getattr(state_leaf, 'shape', ())) != tuple(real.shape):
+    raise ValueError(
+        f'Optimizer state leaf {where} has shape {tuple(state_leaf.shape)}, '
+        'but this transformation\'s init gives '
+        f'{tuple(real.shape)} for these parameters: was the state built by '
+        'another optimizer or for other parameters?')
+
+
+def _check_not_across_rows(where: str, real: Any, trail: Any) -> None:
+  """Refuses a leaf that follows a row shape (`trail`) but not a row count.
+
+  `trail` is None where the row-shape probe's state has other leaves.
+  """
+  if trail is not None and tuple(trail.shape) != tuple(real.shape):
+    raise ValueError(
+        f'Optimizer state leaf {where} (shape {tuple(real.shape)}) depends '
+        'on the row shape of a row-lazy parameter but not on its row '
+        'count: it holds a statistic across rows (such as a factored '
+        'second moment), which cannot be updated from the touched rows '
+        'alone. Keep that parameter dense (no SparseRows gradient) or use '
+        'a transformation whose state mirrors the parameters row by row.')
+
+
+def _row_owner(where: str, real: Any, probe: Any, probe_of: dict[int, int],
+               param_shapes: Sequence[jax.ShapeDtypeStruct]) -> int:
+  """The parameter whose row-count probe the leaf follows, one entry a row."""
+  owner = probe_of.get(probe.shape[0]) if probe.shape else None
+  if (owner is None or tuple(probe.shape[1:]) != tuple(real.shape[1:])
+      or real.shape[0] != param_shapes[owner].shape[0]):
+    raise ValueError(
+        f'Optimizer state leaf {where} (shape {tuple(real.shape)}) depends on '
+        'the shape of a row-lazy parameter but does not hold one entry per '
+        'row of it, so it cannot be updated row by row. Keep that '
+        'parameter dense (no SparseRows gradient) or use a transformation '
+        'whose state mirrors the parameters.')
+  return owner
+
+
+def _leaf_owner(where: str, state_leaf: Any, real: Any, probe: Any,
+                trail: Any, probe_of: dict[int, int],
+                param_shapes: Sequence[jax.ShapeDtypeStruct]
+                ) -> Optional[int]:
+  """One leaf's owner from its shapes under `init`, both probes and `state`.
+
+  Args:
+    where: the leaf's path, for the messages.
+    state_leaf: the leaf of the given state.
+    real, probe, trail: its shapes under the real shapes, the row-count
+      probe and the row-shape probe (`trail` None where that probe's state
+      has other leaves).
+    probe_of: the parameter position of each probe row count.
+    param_shapes: shape structs of the flattened parameters.
+
+  Returns:
+    The owner's position, or None for a leaf that ignores the row counts.
+  """
+  _check_leaf_shape(where, state_leaf, real)
+  if tuple(probe.shape) == tuple(real.shape):
+    _check_not_across_rows(where, real, trail)
+    return None
+  return _row_owner(where, real, probe, probe_of, param_shapes)
+
+
 def row_owners(
     init_fn: Any,
     param_shapes: Sequence[jax.ShapeDtypeStruct],
@@ -57,29 +181,10 @@ def row_owners(
       transformation or a leaf depends on a table in a way other than one
       entry per row.
   """
-  # The probe sizes avoid every size in the state and the parameters (a
-  # state that differs from what `init` gives is refused below).
   used = _all_dims((state, param_shapes))
-  probe_shapes = list(param_shapes)
-  probe_of: dict[int, int] = {}
-  size = _FIRST_PROBE
-  for pos in row_param_positions:
-    while size in used:
-      size += 2
-    probe_of[size] = pos
-    shape = param_shapes[pos]
-    probe_shapes[pos] = jax.ShapeDtypeStruct((size, *shape.shape[1:]),
-                                             shape.dtype)
-    size += 2
-  # A second probe grows the row shape (not the row count) of the row-lazy
-  # parameters: a leaf that follows it but not the row count holds a
-  # statistic across rows (adafactor's factored column moment, a column
-  # sum), which the touched rows alone cannot update.
-  trail_shapes = list(param_shapes)
-  for pos in row_param_positions:
-    shape = param_shapes[pos]
-    trail_shapes[pos] = jax.ShapeDtypeStruct(
-        (shape.shape[0], *(d + 1 for d in shape.shape[1:])), shape.dtype)
+  probe_shapes, probe_of = _row_count_probe(param_shapes, row_param_positions,
+                                            used)
+  trail_shapes = _row_shape_probe(param_shapes, row_param_positions)
   # The real shapes and both probes, in one abstract evaluation.
   real, probe, trail = jax.eval_shape(
       lambda *shapes: tuple(init_fn(rebuild_params(s)) for s in shapes),
@@ -88,47 +193,13 @@ def row_owners(
 
   real_paths, real_def = jax.tree_util.tree_flatten_with_path(real)
   state_leaves, state_def = jax.tree.flatten(state)
-  if state_def != real_def:  # type: ignore[operator]  # jaxlib's stubs
-    difference = tree_diff.describe(
-        state, real, 'the given state', 'the state this optimizer makes')
-    raise ValueError(
-        'The optimizer state does not have the structure that this '
-        'transformation\'s init gives for these parameters: was it built by '
-        f'another optimizer or for other parameters? {difference}.\n'
-        f' expected: {real_def}\n got: {state_def}')
+  _check_structure(state, real, state_def, real_def)
   probe_leaves = jax.tree.leaves(probe)
-  owners: list[Optional[int]] = []
-  for (path, r), p, s in zip(real_paths, probe_leaves, state_leaves):
-    where = path_name(path)
-    if tuple(getattr(s, 'shape', ())) != tuple(r.shape):
-      raise ValueError(
-          f'Optimizer state leaf {where} has shape {tuple(s.shape)}, but this '
-          f'transformation\'s init gives {tuple(r.shape)} for these '
-          'parameters: was the state built by another optimizer or for other '
-          'parameters?')
-    if tuple(p.shape) == tuple(r.shape):
-      if (len(trail_leaves) == len(probe_leaves) and
-          tuple(trail_leaves[len(owners)].shape) != tuple(r.shape)):
-        raise ValueError(
-            f'Optimizer state leaf {where} (shape {tuple(r.shape)}) depends '
-            'on the row shape of a row-lazy parameter but not on its row '
-            'count: it holds a statistic across rows (such as a factored '
-            'second moment), which cannot be updated from the touched rows '
-            'alone. Keep that parameter dense (no SparseRows gradient) or use '
-            'a transformation whose state mirrors the parameters row by row.')
-      owners.append(None)
-      continue
-    owner = probe_of.get(p.shape[0]) if p.shape else None
-    if (owner is None or tuple(p.shape[1:]) != tuple(r.shape[1:])
-        or r.shape[0] != param_shapes[owner].shape[0]):
-      raise ValueError(
-          f'Optimizer state leaf {where} (shape {tuple(r.shape)}) depends on '
-          'the shape of a row-lazy parameter but does not hold one entry per '
-          'row of it, so it cannot be updated row by row. Keep that '
-          'parameter dense (no SparseRows gradient) or use a transformation '
-          'whose state mirrors the parameters.')
-    owners.append(owner)
-  return owners
+  if len(trail_leaves) != len(probe_leaves):
+    trail_leaves = [None] * len(probe_leaves)
+  return [_leaf_owner(path_name(path), s, r, p, t, probe_of, param_shapes)
+          for (path, r), p, s, t in zip(real_paths, probe_leaves, state_leaves,
+                                        trail_leaves)]
 
 
 def leaf_signature(x: Any) -> tuple[Any, ...]:
