@@ -1,11 +1,11 @@
 """`IdTable.assign` and `find` through the CPU kernels (`id_kernels.cc`).
 
-The kernels follow the policy of `id_assign` (the XLA path) bit for bit:
-the same slots, evictions, counters, sketch and eviction log, so a state
-written by one path is continued by the other. They run where the kernels
-are loaded, the state lives on one CPU device and the table has no `ttl`;
-`jax.lax.platform_dependent` keeps the XLA path for other platforms (a step
-exported for GPU or TPU holds no call to them).
+The kernels follow the policy of `id_assign` and `id_claims` (the XLA path)
+bit for bit: the same slots, evictions, counters, sketch and eviction log,
+so a state written by one path is continued by the other. They run where the
+kernels are loaded, the state lives on one CPU device and the table has no
+`ttl`; `jax.lax.platform_dependent` keeps the XLA path for other platforms
+(a step exported for GPU or TPU holds no call to them).
 
 A call of `LazyOptaxIdAssign` updates the state's arrays in place (its
 outputs alias its inputs, so a donated state is never copied) and returns
@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from lazy_optax._src import backend
 from lazy_optax._src import id_assign
+from lazy_optax._src import id_claims
 from lazy_optax._src.placement import placement
 
 # The kernel's event counts, in the order it writes them.
@@ -63,7 +64,7 @@ def _attributes(table: Any) -> dict[str, Any]:
       lfu_period=table.lfu_period, seed=table.seed,
       has_sketch=sketch is not None,
       all_lookups=table.admission == 'frequency',
-      guarded=id_assign.guards(table), depth=depth, width=width,
+      guarded=id_claims.guards(table), depth=depth, width=width,
       log_size=table._log_size)  # pylint: disable=protected-access
 
 

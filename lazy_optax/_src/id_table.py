@@ -55,6 +55,7 @@ import numpy as np
 from lazy_optax._src import checks
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import id_assign
+from lazy_optax._src import id_claims
 from lazy_optax._src import id_export
 from lazy_optax._src import id_kernels
 from lazy_optax._src import id_words
@@ -334,7 +335,7 @@ class IdTable:
 
   @property
   def _sketch_shape(self) -> Optional[tuple[int, int]]:
-    if self.admit_after == 1 and not id_assign.guards(self):
+    if self.admit_after == 1 and not id_claims.guards(self):
       return None
     width = self.sketch_width or min(SKETCH_COLUMNS_PER_SLOT * self.capacity,
                                      _MAX_SKETCH_WIDTH)
@@ -655,7 +656,7 @@ class IdTable:
   def _assign_xla(self, state: IdTableState, words: jax.Array,
                   now: jax.Array
                   ) -> tuple[jax.Array, IdTableState, FreshRows, jax.Array]:
-    """The steps of the module doc, each a function of `id_assign`."""
+    """The steps of the module doc: `id_assign`'s, step 4 `id_claims`'."""
     c = self.capacity
     # 1. Probe windows: each id's window, and the live ids found there.
     win = id_assign.probe_windows(self, state.ids, state.last_seen, words,
@@ -673,7 +674,7 @@ class IdTable:
         jnp.where(win.found, win.hit_slot, c), win.hit_seen, c)].set(
             now, mode='drop')
     # 4. Claim rounds: admitted ids take free slots or the policy's victims.
-    claimed = id_assign.claim_rounds(self, state.ids, last_seen, state.claims,
+    claimed = id_claims.claim_rounds(self, state.ids, last_seen, state.claims,
                                      state.counts, sketch, seen, words, win,
                                      admitted, now)
     # 5. Accounting, per slot (one representative position each).
