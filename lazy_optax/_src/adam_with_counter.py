@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
@@ -255,7 +256,7 @@ def _adam_with_counter_rule(
                         'last_step': state.last_step},
         params if decays_on else None, dict(count=count, lr=lr, decay=False),
         impl, leaf_hyper=leaf_hyper,
-        context=fused.context_of(extra_args))
+        context=row_context.context_of(extra_args))
     return new_updates, ScaleByAdamWithCounterState(count, **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -10,7 +10,7 @@ import optax
 
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
-from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import row_ops
 from lazy_optax._src import row_state
 from lazy_optax._src import tree_diff
@@ -135,7 +135,7 @@ def _put_back(old: jax.Array, new: jax.Array, row: _RowLeaf,
 def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
                  new_updates: Any,
                  backends: Optional[dict[int, _backend.Backend]],
-                 context: fused.RowContext) -> Any:
+                 context: row_context.RowContext) -> Any:
   out = leaves.treedef.flatten_up_to(new_updates)
   for i, row in rows.items():
     if row.ids is not None:
@@ -153,8 +153,9 @@ def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
 
 
 _NO_RULE = ('no lazy_optax rule found these rows in the row context that '
-            f'lazy(...) passes as the extra argument {fused.ROWS_KEY}= (tx '
-            'holds no lazy_optax rule, a wrapper around the rule dropped '
+            'lazy(...) passes as the extra argument '
+            f'{row_context.ROWS_KEY}= (tx holds no lazy_optax rule, a wrapper '
+            'around the rule dropped '
             "optax's extra arguments, as a plain optax.GradientTransformation "
             'does, or handed it copies of the rows, as a lax.cond does): '
             'lazy(...) ran tx on the gathered rows')
@@ -185,11 +186,11 @@ class _ProbeCache:
   """What the rules ask for, per tree signature (one abstract trace each)."""
 
   def __init__(self) -> None:
-    self._known: dict[Any, tuple[dict[str, list[fused.Request]],
+    self._known: dict[Any, tuple[dict[str, list[row_context.Request]],
                                  set[str]]] = {}
 
   def __call__(self, probe: Any, tree: Any
-               ) -> tuple[dict[str, list[fused.Request]], set[str]]:
+               ) -> tuple[dict[str, list[row_context.Request]], set[str]]:
     key = (_signature(tree), cpu_kernels.loaded())
     known = self._known.get(key)
     if known is None:
@@ -211,7 +212,7 @@ def _table_of(pos: int, leaves: _Leaves, state_leaves: list[Any],
 
 
 def _decide_table(table: Any, name: str, impl: str,
-                  requests: list[fused.Request], lost: bool
+                  requests: list[row_context.Request], lost: bool
                   ) -> tuple[_backend.Backend, dict[str, _backend.Backend]]:
   """One table's backend: its row moves, and each rule's update."""
   where = _backend.placement(table)
@@ -232,7 +233,7 @@ def _decide_table(table: Any, name: str, impl: str,
 
 
 def _decide(leaves: _Leaves, state: Any, impl: str,
-            requests: dict[str, list[fused.Request]], lost: set[str],
+            requests: dict[str, list[row_context.Request]], lost: set[str],
             find_owners: Any) -> _Plan:
   sparse = [i for i, g in enumerate(leaves.grads)
             if isinstance(g, SparseRows)]
@@ -252,7 +253,7 @@ def _decide(leaves: _Leaves, state: Any, impl: str,
 
 def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
            params: Any, extra_args: dict[str, Any], skip_zero_rows: bool,
-           plan: Optional[_Plan]) -> tuple[Any, Any, fused.RowContext]:
+           plan: Optional[_Plan]) -> tuple[Any, Any, row_context.RowContext]:
   """`inner.update` on the touched rows: gather, update, write back.
 
   With `plan` None this is `lazy`'s probe: the blocks carry no backend and
@@ -267,7 +268,7 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
   state_leaves, state_def = jax.tree.flatten(state)
   # Nested in another `lazy` (or in `explain_update`): the outer context
   # stays reachable through this one.
-  context = fused.RowContext(fused.context_of(extra_args))
+  context = row_context.RowContext(row_context.context_of(extra_args))
 
   def at_rows(leaf, pos):
     if pos is None:
@@ -275,7 +276,7 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
     move = moves.get(pos) if moves is not None else None
     block = _gather(leaf, rows[pos], move)
     if rows[pos].ids is not None:
-      context.register(block, fused.Block(
+      context.register(block, row_context.Block(
           leaf, rows[pos].ids, leaves.names[pos],
           plan.rules.get(pos, {}) if plan is not None else None, move))
     return block
@@ -289,7 +290,7 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
          for i, p in enumerate(leaves.params)])
   new_updates, new_row_state = inner.update(
       leaves.treedef.unflatten(row_grads), row_state_tree, row_params,
-      **{**extra_args, fused.ROWS_KEY: context})
+      **{**extra_args, row_context.ROWS_KEY: context})
 
   def write_back(old, new, pos):
     if pos is None:
@@ -306,7 +307,7 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
   for pos, row in rows.items():
     if row.ids is not None and leaves.names[pos] not in context.chosen:
       move = moves[pos] if moves is not None else None
-      context.record(fused.Choice(
+      context.record(row_context.Choice(
           leaves.names[pos], 'tx', 'generic',
           (_NO_RULE if pos in owners else 'no state rows: only the update rows')
           + _moves_note(move)))
