@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import compute_dtype
@@ -170,7 +171,7 @@ def epsilon_hat_adam(
     new_updates, new = fused.apply_rule(
         rule, updates, tables, None,
         dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count), impl,
-        context=fused.context_of(extra_args))
+        context=row_context.context_of(extra_args))
     if amsgrad:
       return new_updates, ScaleByLazyAMSGradState(count, **new)
     return new_updates, ScaleByLazyAdamState(count, **new)

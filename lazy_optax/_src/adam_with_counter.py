@@ -36,6 +36,7 @@ would have (at the current learning rate).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional, Union
 
 import chex
@@ -44,6 +45,7 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
@@ -195,6 +197,75 @@ def _row_rule(cfg: _Config, needs_params: bool) -> fused.RowRule:
                        needs_params=needs_params, step_reads_old_rows=True)
 
 
+def _row_counters(p: Any) -> jax.Array:
+  """A zero int32 counter per row of `p` (a scalar for a scalar)."""
+  return per_row_full(p, jnp.int32)
+
+
+def _init_state(params: Any, mu_dtype: Optional[Any],
+                nu_dtype: Optional[Any]) -> ScaleByAdamWithCounterState:
+  """The state before the first step: zero moments, counts and steps."""
+  return ScaleByAdamWithCounterState(
+      count=jnp.zeros([], jnp.int32),
+      mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
+      nu=optax.tree_utils.tree_zeros_like(params, dtype=nu_dtype),
+      row_count=jax.tree.map(_row_counters, params),
+      last_step=jax.tree.map(_row_counters, params))
+
+
+class _Settings(NamedTuple):
+  """What the rule's update needs besides its arguments."""
+  rule: fused.RowRule
+  learning_rate: Optional[optax.ScalarOrSchedule]  # None: none applied
+  decays_on: bool  # whether weight decay is on (the rule reads params)
+  mask: Optional[Union[Any, Callable[[Any], Any]]]
+  impl: str
+
+
+def _learning_rate_at(learning_rate: Optional[optax.ScalarOrSchedule],
+                      count: jax.Array) -> Any:
+  """The learning rate at the global step `count` (None: none applied)."""
+  if learning_rate is None:
+    return None
+  return (learning_rate(count) if callable(learning_rate)
+          else learning_rate)
+
+
+def _decays(mask: Any, updates: Any, params: Any) -> Any:
+  """Which leaves decay (weight decay on): `mask` over the parameters."""
+  if params is None:
+    raise ValueError(
+        'adam_with_counter with weight_decay needs params in '
+        'update(grads, state, params).')
+  return mask_leaves(mask, params, jax.tree.structure(updates))
+
+
+def _leaf_hyper(decays: Any, i: int, hyper: dict[str, Any]
+                ) -> dict[str, Any]:
+  """`hyper` for leaf `i`: whether it decays."""
+  return dict(hyper, decay=decays is not None and bool(decays[i]))
+
+
+def _update(settings: _Settings, updates: Any,
+            state: ScaleByAdamWithCounterState, params: Any,
+            extra_args: dict[str, Any]
+            ) -> tuple[Any, ScaleByAdamWithCounterState]:
+  """One step of the rule on every leaf (fused inside `lazy(...)`)."""
+  count = optax.safe_increment(state.count)
+  lr = _learning_rate_at(settings.learning_rate, state.count)
+  decays = (_decays(settings.mask, updates, params) if settings.decays_on
+            else None)
+  new_updates, new = fused.apply_rule(
+      settings.rule, updates, {'mu': state.mu, 'nu': state.nu,
+                               'row_count': state.row_count,
+                               'last_step': state.last_step},
+      params if settings.decays_on else None,
+      dict(count=count, lr=lr, decay=False), settings.impl,
+      leaf_hyper=functools.partial(_leaf_hyper, decays),
+      context=row_context.context_of(extra_args))
+  return new_updates, ScaleByAdamWithCounterState(count, **new)
+
+
 def _adam_with_counter_rule(
     *,
     b1: float,
@@ -220,43 +291,14 @@ def _adam_with_counter_rule(
                 weight_decay=weight_decay,
                 decay_skipped_steps=decay_skipped_steps)
   decays_on = not _no_decay(weight_decay)
-  rule = _row_rule(cfg, needs_params=decays_on)
+  settings = _Settings(_row_rule(cfg, needs_params=decays_on), learning_rate,
+                       decays_on, mask, impl)
 
   def init_fn(params):
-    def row_counters(p):
-      return per_row_full(p, jnp.int32)
-    return ScaleByAdamWithCounterState(
-        count=jnp.zeros([], jnp.int32),
-        mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
-        nu=optax.tree_utils.tree_zeros_like(params, dtype=nu_dtype),
-        row_count=jax.tree.map(row_counters, params),
-        last_step=jax.tree.map(row_counters, params))
+    return _init_state(params, mu_dtype, nu_dtype)
 
   def update_fn(updates, state, params=None, **extra_args):
-    count = optax.safe_increment(state.count)
-    lr = None
-    if learning_rate is not None:
-      lr = (learning_rate(state.count) if callable(learning_rate)
-            else learning_rate)
-    decays = None
-    if decays_on:
-      if params is None:
-        raise ValueError(
-            'adam_with_counter with weight_decay needs params in '
-            'update(grads, state, params).')
-      decays = mask_leaves(mask, params, jax.tree.structure(updates))
-
-    def leaf_hyper(i, hyper):
-      return dict(hyper, decay=decays is not None and bool(decays[i]))
-
-    new_updates, new = fused.apply_rule(
-        rule, updates, {'mu': state.mu, 'nu': state.nu,
-                        'row_count': state.row_count,
-                        'last_step': state.last_step},
-        params if decays_on else None, dict(count=count, lr=lr, decay=False),
-        impl, leaf_hyper=leaf_hyper,
-        context=fused.context_of(extra_args))
-    return new_updates, ScaleByAdamWithCounterState(count, **new)
+    return _update(settings, updates, state, params, extra_args)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

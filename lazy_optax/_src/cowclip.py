@@ -35,6 +35,7 @@ import numpy as np
 import optax
 
 from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.adam import epsilon_hat_adam
 from lazy_optax._src.distinct import distinct_rows
@@ -150,7 +151,7 @@ class _Counts(NamedTuple):
 
 
 def _row_counts(counts: SparseRows, g: Any, p: Any, where: str,
-                context: Optional[fused.RowContext]) -> _Counts:
+                context: Optional[row_context.RowContext]) -> _Counts:
   """`counts` as one number per row of `g` (lazy's row block or dense)."""
   found = context.find(p) if context is not None else None
   block = found[1] if found is not None else None
@@ -171,7 +172,8 @@ def _row_counts(counts: SparseRows, g: Any, p: Any, where: str,
 
 
 def _leaf_counts(g: Any, p: Any, c: Any, where: str,
-                 context: Optional[fused.RowContext]) -> Optional[_Counts]:
+                 context: Optional[row_context.RowContext]
+                 ) -> Optional[_Counts]:
   """The checked counts of one leaf, or None for a leaf not to clip."""
   if c is None:
     return None
@@ -187,7 +189,7 @@ def _leaf_counts(g: Any, p: Any, c: Any, where: str,
 
 def _clip_leaf(rule: fused.RowRule, g: Any, p: Any, count: jax.Array,
                hyper: dict[str, Any], impl: str,
-               context: Optional[fused.RowContext]) -> Any:
+               context: Optional[row_context.RowContext]) -> Any:
   """The clipped gradient rows `g`, `count` occurrences each."""
   per_occurrence = g / broadcast_rows(jnp.maximum(count, 1), g).astype(
       g.dtype)
@@ -198,7 +200,7 @@ def _clip_leaf(rule: fused.RowRule, g: Any, p: Any, count: jax.Array,
 
 def _clip_tree(rule: fused.RowRule, updates: Any, params: Any, counts: Any,
                hyper: dict[str, Any], impl: str,
-               context: Optional[fused.RowContext]) -> Any:
+               context: Optional[row_context.RowContext]) -> Any:
   """Every leaf with counts clipped, after one check of all their ids."""
   flat, treedef_ = jax.tree_util.tree_flatten_with_path(
       updates, is_leaf=is_sparse_rows)
@@ -278,7 +280,7 @@ def cowclip(
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None, *, counts=None, **extra_args):
-    context = fused.context_of(extra_args)
+    context = row_context.context_of(extra_args)
     if params is None:
       raise ValueError('cowclip needs params (it reads the row norms): '
                        'call update(grads, state, params, counts=...).')

@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import compute_dtype
@@ -157,7 +158,7 @@ def _ftrl_rule(
                         'linear': state.linear}, params,
         dict(lr=lr, power=-learning_rate_power, l1=l1, l2=l2,
              l2_shrinkage=l2_shrinkage, beta=beta), impl,
-        context=fused.context_of(extra_args))
+        context=row_context.context_of(extra_args))
     return new_updates, FtrlState(optax.safe_increment(state.count), **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -8,7 +8,7 @@ import jax
 import optax
 
 from lazy_optax._src import cpu_kernels
-from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src.sparse_rows import is_sparse_rows
 
 
@@ -66,7 +66,7 @@ def explain_update(
     opt_state: Any,
     params: Optional[Any] = None,
     **extra_args: Any,
-) -> dict[str, fused.Choice]:
+) -> dict[str, row_context.Choice]:
   """Which implementation updates each row-sparse parameter, and why.
 
   Traces `tx.update(grads, opt_state, params, **extra_args)` abstractly
@@ -107,8 +107,8 @@ def explain_update(
     >>> choice['table'].impl, choice['table'].rule
     ('xla', 'adam')
   """
-  log: list[fused.Choice] = []
-  rows = {fused.ROWS_KEY: fused.RowContext(log=log)}
+  log: list[row_context.Choice] = []
+  rows = {row_context.ROWS_KEY: row_context.RowContext(log=log)}
   if (isinstance(tx, optax.GradientTransformation)
       and not isinstance(tx, optax.GradientTransformationExtraArgs)):
     rows = {}  # its update takes no extra arguments: none reach a lazy
@@ -119,8 +119,8 @@ def explain_update(
     raise ValueError(
         f'explain_update: no lazy(...) inside {type(tx).__name__} reported '
         f'its choices. They come back through optax\'s extra argument '
-        f'{fused.ROWS_KEY}=, which a wrapper around lazy(...) must forward '
-        '(optax.GradientTransformationExtraArgs with **extra_args, as '
+        f'{row_context.ROWS_KEY}=, which a wrapper around lazy(...) must '
+        'forward (optax.GradientTransformationExtraArgs with **extra_args, as '
         'optax.chain, partition and apply_if_finite are); a plain '
         'optax.GradientTransformation drops it.')
   return {choice.parameter: choice for choice in log}

@@ -10,7 +10,7 @@ import optax
 
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
-from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import row_ops
 from lazy_optax._src import row_state
 from lazy_optax._src import tree_diff
@@ -135,7 +135,7 @@ def _put_back(old: jax.Array, new: jax.Array, row: _RowLeaf,
 def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
                  new_updates: Any,
                  backends: Optional[dict[int, _backend.Backend]],
-                 context: fused.RowContext) -> Any:
+                 context: row_context.RowContext) -> Any:
   out = leaves.treedef.flatten_up_to(new_updates)
   for i, row in rows.items():
     if row.ids is not None:
@@ -153,8 +153,9 @@ def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
 
 
 _NO_RULE = ('no lazy_optax rule found these rows in the row context that '
-            f'lazy(...) passes as the extra argument {fused.ROWS_KEY}= (tx '
-            'holds no lazy_optax rule, a wrapper around the rule dropped '
+            'lazy(...) passes as the extra argument '
+            f'{row_context.ROWS_KEY}= (tx holds no lazy_optax rule, a wrapper '
+            'around the rule dropped '
             "optax's extra arguments, as a plain optax.GradientTransformation "
             'does, or handed it copies of the rows, as a lax.cond does): '
             'lazy(...) ran tx on the gathered rows')
@@ -185,11 +186,11 @@ class _ProbeCache:
   """What the rules ask for, per tree signature (one abstract trace each)."""
 
   def __init__(self) -> None:
-    self._known: dict[Any, tuple[dict[str, list[fused.Request]],
+    self._known: dict[Any, tuple[dict[str, list[row_context.Request]],
                                  set[str]]] = {}
 
   def __call__(self, probe: Any, tree: Any
-               ) -> tuple[dict[str, list[fused.Request]], set[str]]:
+               ) -> tuple[dict[str, list[row_context.Request]], set[str]]:
     key = (_signature(tree), cpu_kernels.loaded())
     known = self._known.get(key)
     if known is None:
@@ -211,7 +212,7 @@ def _table_of(pos: int, leaves: _Leaves, state_leaves: list[Any],
 
 
 def _decide_table(table: Any, name: str, impl: str,
-                  requests: list[fused.Request], lost: bool
+                  requests: list[row_context.Request], lost: bool
                   ) -> tuple[_backend.Backend, dict[str, _backend.Backend]]:
   """One table's backend: its row moves, and each rule's update."""
   where = _backend.placement(table)
@@ -231,15 +232,22 @@ def _decide_table(table: Any, name: str, impl: str,
   return moves, rules
 
 
+def _state_owners(find_owners: Any, leaves: _Leaves, positions: list[int],
+                  state: Any) -> list[Optional[int]]:
+  """Per state leaf, the position of the table it mirrors (None: none), among
+  the tables at `positions` (`row_state.OwnerCache`)."""
+  return find_owners(
+      param_shapes=[_shape_struct(g) for g in leaves.grads],
+      rebuild_params=leaves.treedef.unflatten,
+      row_param_positions=positions, state=state)
+
+
 def _decide(leaves: _Leaves, state: Any, impl: str,
-            requests: dict[str, list[fused.Request]], lost: set[str],
+            requests: dict[str, list[row_context.Request]], lost: set[str],
             find_owners: Any) -> _Plan:
   sparse = [i for i, g in enumerate(leaves.grads)
             if isinstance(g, SparseRows)]
-  owners = find_owners(
-      param_shapes=[_shape_struct(g) for g in leaves.grads],
-      rebuild_params=leaves.treedef.unflatten,
-      row_param_positions=sparse, state=state)
+  owners = _state_owners(find_owners, leaves, sparse, state)
   state_leaves = jax.tree.leaves(state)
   plan = _Plan({}, {})
   for pos in sparse:
@@ -250,9 +258,85 @@ def _decide(leaves: _Leaves, state: Any, impl: str,
   return plan
 
 
+class _Blocks(NamedTuple):
+  """One trace's row blocks, and what gathering them and writing them back
+  reads."""
+  leaves: _Leaves
+  rows: dict[int, _RowLeaf]             # the row-lazy leaves, by position
+  plan: Optional[_Plan]                 # None while `lazy` probes
+  context: row_context.RowContext       # where the blocks are registered
+
+  def moves(self, pos: int) -> Optional[_backend.Backend]:
+    """The row moves of the table at `pos` (None while probing)."""
+    return self.plan.tables.get(pos) if self.plan is not None else None
+
+
+def _at_rows(blocks: _Blocks, leaf: Any, pos: Optional[int]) -> Any:
+  """`leaf` at the touched rows of the table at `pos` (the leaf itself for
+  None), registered in the context where it is gathered by ids."""
+  if pos is None:
+    return leaf
+  row = blocks.rows[pos]
+  move = blocks.moves(pos)
+  block = _gather(leaf, row, move)
+  if row.ids is not None:
+    plan = blocks.plan
+    blocks.context.register(block, row_context.Block(
+        leaf, row.ids, blocks.leaves.names[pos],
+        plan.rules.get(pos, {}) if plan is not None else None, move))
+  return block
+
+
+def _row_inputs(blocks: _Blocks, state: Any, owners: list[Optional[int]],
+                params: Any) -> tuple[Any, Any]:
+  """The state and parameters `tx.update` sees: each leaf that mirrors a
+  table at its touched rows (the state first)."""
+  state_leaves, state_def = jax.tree.flatten(state)
+  row_state_tree = jax.tree.unflatten(
+      state_def, [_at_rows(blocks, s, o) for s, o in zip(state_leaves, owners)])
+  row_params = None
+  if params is not None:
+    row_params = blocks.leaves.treedef.unflatten(
+        [_at_rows(blocks, p, i if i in blocks.rows else None)
+         for i, p in enumerate(blocks.leaves.params)])
+  return row_state_tree, row_params
+
+
+def _write_back(blocks: _Blocks, old: Any, new: Any, pos: Optional[int]
+                ) -> Any:
+  """The new state leaf: the table a rule wrote itself, else `new`'s rows
+  written into `old` (`new` itself for a leaf that mirrors no table)."""
+  if pos is None:
+    return new
+  table = blocks.context.written(new)  # the rule wrote the whole table itself
+  if table is not None:
+    return table
+  return _put_back(old, new, blocks.rows[pos], blocks.moves(pos))
+
+
+def _new_state(blocks: _Blocks, state: Any, new_row_state: Any,
+               owners: list[Optional[int]]) -> Any:
+  """`state` with the rows `tx.update` returned written back."""
+  state_leaves, state_def = jax.tree.flatten(state)
+  return jax.tree.unflatten(state_def, [
+      _write_back(blocks, o, n, pos) for o, n, pos in zip(
+          state_leaves, jax.tree.leaves(new_row_state), owners)])
+
+
+def _record_unfused(blocks: _Blocks, owners: list[Optional[int]]) -> None:
+  """Records `tx`'s generic update for each table no rule reported on."""
+  for pos, row in blocks.rows.items():
+    name = blocks.leaves.names[pos]
+    if row.ids is not None and name not in blocks.context.chosen:
+      blocks.context.record(row_context.Choice(
+          name, 'tx', 'generic',
+          (_NO_RULE if pos in owners else 'no state rows: only the update rows')
+          + _moves_note(blocks.moves(pos))))
+
+
 def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
            params: Any, extra_args: dict[str, Any], skip_zero_rows: bool,
-           plan: Optional[_Plan]) -> tuple[Any, Any, fused.RowContext]:
+           plan: Optional[_Plan]) -> tuple[Any, Any, row_context.RowContext]:
   """`inner.update` on the touched rows: gather, update, write back.
 
   With `plan` None this is `lazy`'s probe: the blocks carry no backend and
@@ -260,56 +344,17 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
   """
   moves = plan.tables if plan is not None else None
   rows, row_grads = _row_leaves(leaves, skip_zero_rows, moves)
-  owners = find_owners(
-      param_shapes=[_shape_struct(g) for g in leaves.grads],
-      rebuild_params=leaves.treedef.unflatten,
-      row_param_positions=list(rows), state=state)
-  state_leaves, state_def = jax.tree.flatten(state)
+  owners = _state_owners(find_owners, leaves, list(rows), state)
   # Nested in another `lazy` (or in `explain_update`): the outer context
   # stays reachable through this one.
-  context = fused.RowContext(fused.context_of(extra_args))
-
-  def at_rows(leaf, pos):
-    if pos is None:
-      return leaf
-    move = moves.get(pos) if moves is not None else None
-    block = _gather(leaf, rows[pos], move)
-    if rows[pos].ids is not None:
-      context.register(block, fused.Block(
-          leaf, rows[pos].ids, leaves.names[pos],
-          plan.rules.get(pos, {}) if plan is not None else None, move))
-    return block
-
-  row_state_tree = jax.tree.unflatten(
-      state_def, [at_rows(s, o) for s, o in zip(state_leaves, owners)])
-  row_params = None
-  if params is not None:
-    row_params = leaves.treedef.unflatten(
-        [at_rows(p, i if i in rows else None)
-         for i, p in enumerate(leaves.params)])
+  context = row_context.RowContext(row_context.context_of(extra_args))
+  blocks = _Blocks(leaves, rows, plan, context)
+  row_state_tree, row_params = _row_inputs(blocks, state, owners, params)
   new_updates, new_row_state = inner.update(
       leaves.treedef.unflatten(row_grads), row_state_tree, row_params,
-      **{**extra_args, fused.ROWS_KEY: context})
-
-  def write_back(old, new, pos):
-    if pos is None:
-      return new
-    table = context.written(new)  # the rule wrote the whole table itself
-    if table is not None:
-      return table
-    return _put_back(old, new, rows[pos],
-                     moves.get(pos) if moves is not None else None)
-
-  new_state = jax.tree.unflatten(state_def, [
-      write_back(o, n, pos) for o, n, pos in zip(
-          state_leaves, jax.tree.leaves(new_row_state), owners)])
-  for pos, row in rows.items():
-    if row.ids is not None and leaves.names[pos] not in context.chosen:
-      move = moves[pos] if moves is not None else None
-      context.record(fused.Choice(
-          leaves.names[pos], 'tx', 'generic',
-          (_NO_RULE if pos in owners else 'no state rows: only the update rows')
-          + _moves_note(move)))
+      **{**extra_args, row_context.ROWS_KEY: context})
+  new_state = _new_state(blocks, state, new_row_state, owners)
+  _record_unfused(blocks, owners)
   return (_row_updates(leaves, rows, new_updates, moves, context),
           new_state, context)
 

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
@@ -127,7 +128,7 @@ def _partial_rowwise_adam_rule(
     new_updates, new = fused.apply_rule(
         rule, updates, {'mu': state.mu, 'nu': state.nu}, None,
         dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count), impl,
-        context=fused.context_of(extra_args))
+        context=row_context.context_of(extra_args))
     return new_updates, ScaleByPartialRowwiseAdamState(count, **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

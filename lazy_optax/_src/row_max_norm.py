@@ -27,6 +27,7 @@ import optax
 
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.cowclip import row_norms
 from lazy_optax._src.numerics import broadcast_rows
@@ -105,8 +106,8 @@ def row_max_norm(
     if params is None:
       raise ValueError('row_max_norm needs params (the rows it bounds): call '
                        'update(grads, state, params).')
-    return fused.apply_stateless(rule, updates, params,
-                                 dict(max_norm=max_norm), impl,
-                                 context=fused.context_of(extra_args)), state
+    return fused.apply_stateless(
+        rule, updates, params, dict(max_norm=max_norm), impl,
+        context=row_context.context_of(extra_args)), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
@@ -141,7 +142,7 @@ def _rowwise_adagrad_rule(
         rule, updates, {'sum_of_squares': state.sum_of_squares},
         params if l2 else None, dict(eps=eps, l2=l2_weight_decay), impl,
         leaf_hyper=leaf_hyper,
-        context=fused.context_of(extra_args))
+        context=row_context.context_of(extra_args))
     return new_updates, ScaleByRowwiseAdagradState(count, **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
@@ -327,7 +328,7 @@ def _transform(learning_rate: optax.ScalarOrSchedule, cfg: _Config,
                         'last_step': state.last_step},
         params if rule.needs_params else None, hyper, impl,
         leaf_hyper=leaf_hyper,
-        context=fused.context_of(extra_args))
+        context=row_context.context_of(extra_args))
     return new_updates, RowwiseAdagradWithCounterState(
         count, max_counter=max_counter,
         counter_peak=_peak(new['row_counter'], state.counter_peak), **new)

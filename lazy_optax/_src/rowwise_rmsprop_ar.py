@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
+from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
@@ -142,7 +143,7 @@ def _rowwise_rmsprop_ar_rule(
     new_updates, new = fused.apply_rule(
         rule, updates, {'nu': state.nu, 'prev_iter': state.prev_iter}, params,
         hyper, impl,
-        context=fused.context_of(extra_args))
+        context=row_context.context_of(extra_args))
     return new_updates, RowwiseRmspropArState(count, **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -16,7 +16,7 @@ from lazy_optax._src.distinct import distinct_rows  # noqa: F401  (lazy.py)
 from lazy_optax._src.id_code import index_dtype
 
 if TYPE_CHECKING:
-  from lazy_optax._src.fused import FusedAdd
+  from lazy_optax._src.row_context import FusedAdd
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -93,7 +93,7 @@ class SparseRows(metaclass=validate.SparseRowsClass):
 
     Args:
       fused: how these rows add themselves to the table they were computed
-        from (`fused.FusedAdd`); `add_to` uses it for that very array.
+        from (`row_context.FusedAdd`); `add_to` uses it for that very array.
         Scaling, tree arithmetic and pytree round trips drop it.
 
     Returns:
