@@ -1,6 +1,6 @@
 """The steps of `IdTable.assign`, each a small pure function of arrays.
 
-`IdTable._assign_xla` runs them in the order of `id_table`'s docstring:
+`id_pipeline.assign_xla` runs them in the order of `id_table`'s docstring:
 
 1. `probe_windows`: each id's window of slots, and the live ids found there;
 2. `expire`: the `ttl` wheel's ids that expire at this step;
