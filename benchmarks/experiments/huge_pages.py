@@ -1,4 +1,4 @@
-"""`lazy_optax.perf.advise_huge_pages`: the same train step on 4 KiB and huge pages.
+"""`lazy_optax.perf.advise_huge_pages`: one train step on 4 KiB and huge pages.
 
     taskset -c 0 python3 -m benchmarks.experiments.huge_pages     # 1 thread
     taskset -c 0,1 python3 -m benchmarks.experiments.huge_pages   # 2 threads
