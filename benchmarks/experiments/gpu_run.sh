@@ -12,7 +12,8 @@
 # 4. `profile_step` on the GPU: op counts of the compiled 26-table step
 #    (conditionals, copies) and its memory analysis;
 # 5. `hashed_step_hlo`: which part of the hashed step copies the id table;
-# 6. the test suite, except the parts that test the CPU (the C++ kernels'
+# 6. `dedup_variants_gpu`: XLA's ways of deduplicating ids, timed;
+# 7. the test suite, except the parts that test the CPU (the C++ kernels'
 #    build, cache and trust checks, huge pages, the notebooks), on 8 workers,
 #    its outcome per test in `$OUT/junit.xml`.
 # Logs and JSON go to $OUT; the reply's tail shows the summaries.
@@ -25,7 +26,7 @@ if [ "${QUICK:-0}" = 1 ]; then
 else
   quick=; limit=0
 fi
-parts=",${PARTS:-gpu_steps,hashed,profile,hlo,tests},"
+parts=",${PARTS:-gpu_steps,hashed,profile,hlo,dedup,tests},"
 part() {  # part NAME SECONDS COMMAND...: one part, its log in $OUT/NAME.log
   local name=$1 seconds=$2; shift 2
   [[ $parts == *",$name,"* ]] || return 0
@@ -52,6 +53,8 @@ tail -30 "$OUT/profile.log" 2>/dev/null
 part hlo 60 python3 -m benchmarks.experiments.hashed_step_hlo \
   --out "$OUT/hlo" ${quick:+--capacity 20000}
 cat "$OUT/hlo.log" 2>/dev/null | grep -v WARNING | tail -20
+part dedup 90 python3 -m benchmarks.experiments.dedup_variants_gpu $quick
+grep -v '^{' "$OUT/dedup.log" 2>/dev/null | tail -12
 tests=(tests lazy_optax --ignore=tests/test_kernel_cache.py
   --ignore=tests/test_kernel_shards.py --ignore=tests/test_huge_pages.py
   --ignore=tests/test_colabs.py --ignore=tests/test_cpu_kernel.py)
