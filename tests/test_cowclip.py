@@ -265,6 +265,7 @@ def _max_norm_steps(table_dtype, update_dtype):
 @pytest.mark.parametrize('table_dtype,update_dtype', [
     (jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
     (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)])
+@pytest.mark.cpu_kernels
 def test_max_norm_added_in_the_scatter_add_equals_its_update(table_dtype,
                                                              update_dtype):
   params, ids, _, fused, unfused = _max_norm_steps(table_dtype,
