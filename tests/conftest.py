@@ -49,14 +49,21 @@ def _known(flags: list[str]) -> list[str]:
   return [flag for flag in flags if _xla_knows(flag)]
 
 
+# Bit-for-bit reruns (test_checkpoint_resumes_bit_for_bit): on a GPU XLA's
+# scatter-add of duplicate ids is deterministic only with this flag (its
+# atomic adds sum them in any order otherwise); a CPU jaxlib knows it too,
+# and it changes nothing there. Every run sets it, optimized or not.
+_DETERMINISTIC = ('--xla_gpu_deterministic_ops=true',)
+
+_wanted = list(_DETERMINISTIC)
 if os.environ.get('LAZY_OPTAX_TEST_OPTIMIZED') != '1':
   os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
-  _flags = os.environ.get('XLA_FLAGS', '')
-  # A flag the caller set already (any value) stays as set.
-  _added = _known([f for f in _CHEAP_COMPILES
-                   if f.split('=')[0] not in _flags])
-  if _added:
-    os.environ['XLA_FLAGS'] = ' '.join([_flags, *_added]).strip()
+  _wanted += _CHEAP_COMPILES
+_flags = os.environ.get('XLA_FLAGS', '')
+# A flag the caller set already (any value) stays as set.
+_added = _known([f for f in _wanted if f.split('=')[0] not in _flags])
+if _added:
+  os.environ['XLA_FLAGS'] = ' '.join([_flags, *_added]).strip()
 
 
 # JAX's persistent compilation cache, shared by this run's processes: the
