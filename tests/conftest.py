@@ -5,6 +5,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 sys.path.insert(0, os.path.dirname(__file__))
 
 # Subprocesses (the 8-device checks, the guides' snippets) import the package
@@ -47,14 +49,21 @@ def _known(flags: list[str]) -> list[str]:
   return [flag for flag in flags if _xla_knows(flag)]
 
 
+# Bit-for-bit reruns (test_checkpoint_resumes_bit_for_bit): on a GPU XLA's
+# scatter-add of duplicate ids is deterministic only with this flag (its
+# atomic adds sum them in any order otherwise); a CPU jaxlib knows it too,
+# and it changes nothing there. Every run sets it, optimized or not.
+_DETERMINISTIC = ('--xla_gpu_deterministic_ops=true',)
+
+_wanted = list(_DETERMINISTIC)
 if os.environ.get('LAZY_OPTAX_TEST_OPTIMIZED') != '1':
   os.environ.setdefault('JAX_DISABLE_MOST_OPTIMIZATIONS', '1')
-  _flags = os.environ.get('XLA_FLAGS', '')
-  # A flag the caller set already (any value) stays as set.
-  _added = _known([f for f in _CHEAP_COMPILES
-                   if f.split('=')[0] not in _flags])
-  if _added:
-    os.environ['XLA_FLAGS'] = ' '.join([_flags, *_added]).strip()
+  _wanted += _CHEAP_COMPILES
+_flags = os.environ.get('XLA_FLAGS', '')
+# A flag the caller set already (any value) stays as set.
+_added = _known([f for f in _wanted if f.split('=')[0] not in _flags])
+if _added:
+  os.environ['XLA_FLAGS'] = ' '.join([_flags, *_added]).strip()
 
 
 # JAX's persistent compilation cache, shared by this run's processes: the
@@ -97,3 +106,36 @@ def pytest_collection_finish(session):
       'a module imported by pytest changed XLA_FLAGS')
   assert '--xla_force_host_platform_device_count' not in os.environ.get(
       'XLA_FLAGS', ''), 'XLA_FLAGS asks for several devices in the main process'
+
+
+# --- The CPU kernels on a machine whose default backend is not the CPU ------
+#
+# Tables kept in host memory on a GPU machine are a real use: the CPU kernels
+# must be tested there too. A test of the kernels (marked `cpu_kernels`, or
+# parametrized with an id naming `cpu_kernel`) makes its arrays on the
+# default device and compiles its jitted steps for it: where that is not the
+# CPU, the test runs under `jax.default_device(the CPU)`, so its arrays live
+# on the host, `init` loads the kernels and its steps compile for the CPU. On
+# a CPU machine this changes nothing.
+
+
+def pytest_configure(config):
+  config.addinivalue_line(
+      'markers', 'cpu_kernels: the test runs or inspects the CPU kernels: '
+      'where the default backend is not the CPU it runs on the CPU device')
+
+
+def runs_cpu_kernels(item) -> bool:
+  """Whether `item` tests the CPU kernels (its marker or its parameters)."""
+  callspec = getattr(item, 'callspec', None)
+  return (item.get_closest_marker('cpu_kernels') is not None
+          or (callspec is not None and 'cpu_kernel' in callspec.id))
+
+
+@pytest.fixture(autouse=True)
+def _cpu_kernels_on_the_cpu(request):
+  if jax.default_backend() == 'cpu' or not runs_cpu_kernels(request.node):
+    yield
+    return
+  with jax.default_device(jax.devices('cpu')[0]):
+    yield

@@ -76,10 +76,28 @@ _PLAIN = {}
 
 
 def _plain_run(kind, kw, params, data):
-  key = (kind, tuple(sorted((k, str(v)) for k, v in kw.items())))
+  # Keyed by the default device too: a cpu_kernel case runs on the CPU
+  # where the default backend is another (tests/conftest.py).
+  key = (kind, tuple(sorted((k, str(v)) for k, v in kw.items())),
+         str(jax.config.jax_default_device))
   if key not in _PLAIN:
     _PLAIN[key] = _run(_tx(kind, _LR, 'generic', **kw), params, data)
   return _PLAIN[key]
+
+
+def _bfloat16_step_apart(x, kw):
+  """Whether float32 leaves may be a bfloat16 step apart: a bfloat16 first
+  moment on another platform than the CPU.
+
+  There XLA may keep a moment's float32 value where the program rounds it
+  to bfloat16 and reads it back (excess precision), and sums the duplicate
+  ids' rows in another order: the moment, then the update and the
+  parameters derived from it, differ by up to a bfloat16 step in one of the
+  two programs (measured on a GPU: 8e-3 relative, 3.6e-5 absolute on the
+  parameters). On the CPU the float32 leaves stay within a few ulps.
+  """
+  return (kw.get('mu_dtype') == jnp.bfloat16 and x.dtype == jnp.float32
+          and any(d.platform != 'cpu' for d in x.devices()))
 
 
 @pytest.mark.parametrize('impl', ['xla', 'cpu_kernel'])
@@ -98,6 +116,8 @@ def test_fast_path_equals_plain_lazy(impl, kind, kw):
       # (the CPU kernel and XLA contract multiply-adds differently).
       tol = 1e-2 if a.dtype == jnp.bfloat16 else 2e-6
       atol = 1e-5 if a.dtype == jnp.bfloat16 else 5e-7
+      if _bfloat16_step_apart(a, kw):
+        tol, atol = 1e-2, 1e-4
       np.testing.assert_allclose(np.asarray(a, np.float32),
                                  np.asarray(b, np.float32), rtol=tol,
                                  atol=atol, err_msg=str(t))

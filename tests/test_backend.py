@@ -28,6 +28,8 @@ NUM_ROWS, D, N = 500, 64, 24
 LR = 0.01
 ADAM_KERNEL = 'lazy_optax_LazyOptaxAdam'
 
+pytestmark = pytest.mark.cpu_kernels
+
 
 def _targets(hlo):
   """The project's FFI targets that a compiled program calls."""
@@ -289,12 +291,9 @@ def test_a_rule_whose_writes_a_wrapper_rebuilds_is_reported_generic(
   assert 'apply_if_finite' in choice.reason
 
 
-def test_auto_where_the_default_backend_is_not_the_cpu_reports_xla(
-    monkeypatch):
-  # A jitted step names no device: it compiles for the default backend. On
-  # a GPU machine (the default backend faked here) 'auto' must neither name
-  # the CPU kernel in explain_update nor lower a call that a GPU compile
-  # would drop; the same step on the CPU default keeps the kernel.
+def _auto_step():
+  """A lazy_adam step's state and two probes: what `explain_update` says of
+  the table, and whether a fresh jit of the donated step calls the kernel."""
   tx = lazy_optax.lazy_adam(LR)
   params = {'table': jnp.asarray(_table()), 'w': jnp.ones((3,))}
   state = tx.init(params)
@@ -302,19 +301,54 @@ def test_auto_where_the_default_backend_is_not_the_cpu_reports_xla(
   grads = {'table': lazy_optax.SparseRows(ids, values, NUM_ROWS),
            'w': jnp.zeros((3,))}
 
-  def lowered_text():  # a fresh jit each time: no trace is reused
-    return _donated_step(tx).lower(params, state, ids,
-                                   values.ravel()).as_text()
+  def choice():
+    return lazy_optax.explain_update(tx, grads, state, params)['table']
 
-  on_cpu = lazy_optax.explain_update(tx, grads, state, params)['table']
-  assert on_cpu.impl == 'cpu_kernel' and ADAM_KERNEL in lowered_text()
+  def calls_the_kernel():  # a fresh jit each time: no trace is reused
+    return ADAM_KERNEL in _donated_step(tx).lower(
+        params, state, ids, values.ravel()).as_text()
+
+  return params, grads, choice, calls_the_kernel
+
+
+def test_auto_where_the_default_backend_is_not_the_cpu_reports_xla(
+    monkeypatch):
+  # A jitted step names no device: it compiles for the default backend. On
+  # a GPU machine (the default backend faked here) 'auto' must neither name
+  # the CPU kernel in explain_update nor lower a call that a GPU compile
+  # would drop; the same step on the CPU default keeps the kernel.
+  params, grads, choice, calls_the_kernel = _auto_step()
+  on_cpu = choice()
+  assert on_cpu.impl == 'cpu_kernel' and calls_the_kernel(), on_cpu
   monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
-  on_gpu = lazy_optax.explain_update(tx, grads, state, params)['table']
-  assert on_gpu.impl == 'xla', on_gpu
-  assert 'compiles for gpu, the default backend' in on_gpu.reason
-  assert ADAM_KERNEL not in lowered_text()
-  # An explicit request keeps its kernel: the caller may compile for CPU.
-  explicit = lazy_optax.lazy_adam(LR, impl='cpu_kernel')
-  assert lazy_optax.explain_update(
-      explicit, grads, explicit.init(params), params)['table'].impl == (
-          'cpu_kernel')
+  # No default device (on a GPU machine this test runs under the CPU's).
+  with jax.default_device(None):
+    on_gpu = choice()
+    assert on_gpu.impl == 'xla', on_gpu
+    assert 'compiles for gpu, the default backend' in on_gpu.reason
+    assert not calls_the_kernel()
+    # An explicit request keeps its kernel: the caller may compile for CPU.
+    explicit = lazy_optax.lazy_adam(LR, impl='cpu_kernel')
+    assert lazy_optax.explain_update(
+        explicit, grads, explicit.init(params), params)['table'].impl == (
+            'cpu_kernel')
+
+
+@pytest.mark.parametrize('device', ['the CPU device', "'cpu'"])
+def test_auto_under_a_cpu_default_device_keeps_the_kernel(monkeypatch,
+                                                          device):
+  # Host-resident tables on a GPU machine (faked here): under
+  # jax.default_device(the CPU) a jitted step compiles for the CPU, and
+  # 'auto' reports and lowers the kernel, naming what decided.
+  _, _, choice, calls_the_kernel = _auto_step()
+  monkeypatch.setattr(jax, 'default_backend', lambda: 'gpu')
+  cpu = jax.devices('cpu')[0] if device == 'the CPU device' else 'cpu'
+  with jax.default_device(cpu):
+    on_cpu = choice()
+    assert on_cpu.impl == 'cpu_kernel', on_cpu
+    assert 'compiles for cpu, the default device' in on_cpu.reason
+    assert calls_the_kernel()
+  with jax.default_device(None):
+    assert choice().impl == 'xla'
+    assert not calls_the_kernel()
+

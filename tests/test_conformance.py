@@ -183,7 +183,14 @@ def _configuration(case):
   return case.name[:case.name.rindex('[')]
 
 
+def _generic_key(key):
+  """`key` and the default device: the cpu_kernel cases run on the CPU where
+  the default backend is another (tests/conftest.py)."""
+  return key, str(jax.config.jax_default_device)
+
+
 def _generic_run(key, make_generic, table, data, dtype=jnp.float32):
+  key = _generic_key(key)
   if key not in _GENERIC:
     _GENERIC[key] = _run_compiled(make_generic(), table, data, dtype)[:2]
   return _GENERIC[key]
@@ -217,7 +224,7 @@ def test_each_implementation_matches_the_model_and_generic(case):
   # `X[cpu_kernel]` and `X[generic]` all compare with X's 'generic' run).
   key = (_configuration(case),)
   if case.impl == 'generic':  # this very run is the configuration's generic
-    _GENERIC.setdefault(key, (params, state))
+    _GENERIC.setdefault(_generic_key(key), (params, state))
   generic = _generic_run(key, dataclasses.replace(case, impl='generic').make,
                          table, data)
   for a, b in zip(jax.tree.leaves((params, state)), jax.tree.leaves(generic)):

@@ -265,6 +265,7 @@ def _max_norm_steps(table_dtype, update_dtype):
 @pytest.mark.parametrize('table_dtype,update_dtype', [
     (jnp.float32, jnp.float32), (jnp.bfloat16, jnp.bfloat16),
     (jnp.bfloat16, jnp.float32), (jnp.float32, jnp.bfloat16)])
+@pytest.mark.cpu_kernels
 def test_max_norm_added_in_the_scatter_add_equals_its_update(table_dtype,
                                                              update_dtype):
   params, ids, _, fused, unfused = _max_norm_steps(table_dtype,
@@ -296,6 +297,7 @@ def test_max_norm_added_in_the_scatter_add_equals_its_update(table_dtype,
   np.testing.assert_array_equal(got[untouched], old[untouched])
 
 
+@pytest.mark.cpu_kernels   # shares _max_norm_steps with the test above
 def test_max_norm_update_added_to_other_parameters_adds_its_rows():
   # The update read the rows of `params`; added to another array it is its
   # rows, as any update is (no clip against the other array's rows).

@@ -21,6 +21,10 @@ def _dense(ids, values, num_rows):
   return out
 
 
+def _elsewhere_than_the_cpu(x):
+  return any(d.platform != 'cpu' for d in x.devices())
+
+
 @pytest.mark.parametrize('method', ['auto', 'packed', 'search'])
 @pytest.mark.parametrize('num_rows', [10, 2 ** 30])
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
@@ -47,6 +51,11 @@ def test_unique_rows_matches_numpy(method, num_rows, dtype, n):
   want = _dense(ids, np.asarray(values, np.float32), num_rows)
   got = _dense(unique_ids, np.asarray(summed, np.float32), num_rows)
   tol = 1e-6 if dtype == jnp.float32 else 2e-2
+  if dtype == jnp.float32 and _elsewhere_than_the_cpu(summed):
+    # XLA's scatter-add on a GPU sums a row's duplicates in another order
+    # (atomics): ~60 float32 terms of O(1) round differently, by up to
+    # ~60 * 2**-24 * 60 ~ 1e-5 (measured 8e-6). Tight on the CPU.
+    tol = 2e-5
   assert sorted(got) == sorted(want)
   for i in want:
     np.testing.assert_allclose(got[i], want[i], rtol=tol, atol=tol)

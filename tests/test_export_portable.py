@@ -401,6 +401,7 @@ def test_check_counts_run_time_conditionals_only():
         assert op_counts(functions)['case'] >= 1, text
 
 
+@pytest.mark.cpu_kernels
 def test_check_finds_cpu_kernels():
   """On the CPU the same lazy_adam step calls the C++ kernel, and the check
   names it."""

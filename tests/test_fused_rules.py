@@ -72,6 +72,7 @@ def _initial_table(dtype):
     lambda: lazy_optax.lazy(optax.adagrad(0.1)),
     lambda: lazy_optax.lazy(optax.adam(0.1)),
 ], ids=['sgd', 'sgd_momentum', 'adagrad', 'optax_adam'])
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 def test_optax_rules_through_the_kernels_equal_pure_xla(make, dtype,
                                                          monkeypatch):
@@ -97,6 +98,7 @@ def test_optax_rules_through_the_kernels_equal_pure_xla(make, dtype,
     np.testing.assert_allclose(a32, b32, rtol=tol[0], atol=tol[1])
 
 
+@pytest.mark.cpu_kernels
 def test_unsupported_dtypes_fall_back_and_cpu_kernel_refuses_them():
   # The kernels store float32 and bfloat16; float16 moments take XLA's path.
   tx = lazy_optax.lazy_adam(0.1)
@@ -117,6 +119,7 @@ def test_unknown_impl_is_refused():
     lazy_optax.rowwise_adagrad(0.1, impl='gpu')
 
 
+@pytest.mark.cpu_kernels
 def test_stochastic_rounding_in_the_kernel_draws_the_same_bits(monkeypatch):
   # apply_updates_stochastic into a bfloat16 table: the C++ kernel (JAX's
   # threefry bits drawn in C++) and XLA's path agree bit for bit, with

@@ -2,7 +2,6 @@
 
 import functools
 
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,7 +9,9 @@ import optax
 import pytest
 
 import lazy_optax
-import lazy_optax.haiku
+
+hk = pytest.importorskip('haiku')
+import lazy_optax.haiku  # noqa: E402  (where Haiku is installed)
 
 NUM_ROWS, DIM, SEEN = 60, 4, 30   # batches only use rows < SEEN
 

@@ -134,6 +134,7 @@ def test_kernel_equals_the_xla_path_and_the_model(name, data):
     _assert_same(find_k(state, probe), find_x(state, probe))
 
 
+@pytest.mark.cpu_kernels
 def test_a_cpu_step_runs_the_kernel_and_accelerators_do_not():
   table = lazy_optax.IdTable(capacity=1000, probe=8)
   state = table.init()
@@ -160,6 +161,7 @@ def test_tables_with_ttl_take_the_xla_path():
   assert 'gather' in hlo   # the XLA path's probe windows
 
 
+@pytest.mark.cpu_kernels
 def test_donated_state_is_updated_in_place():
   capacity = 100_000
   table = lazy_optax.IdTable(capacity=capacity, probe=16)

@@ -7,9 +7,10 @@ rows of the assigned slots; the bag layers equal `lookup_bag` with the
 unassigned slots left out.
 """
 
+import importlib
+
 import equinox as eqx
 from flax import nnx
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +21,6 @@ import lazy_optax
 from lazy_optax._src import reset_rows as reset_module
 import lazy_optax.equinox
 import lazy_optax.flax
-import lazy_optax.haiku
 
 CAP, D = 16, 3
 TABLE = lazy_optax.IdTable(capacity=CAP, probe=4, admit_after=2,
@@ -106,9 +106,11 @@ def test_nnx_hash_embed_trains_the_assigned_rows():
 
 
 def test_haiku_hash_embed_trains_the_assigned_rows():
+  hk = pytest.importorskip('haiku')
+  haiku_layers = importlib.import_module('lazy_optax.haiku')
   slots, _, fresh = _slots()
   f = hk.without_apply_rng(hk.transform(
-      lambda s: lazy_optax.haiku.HashEmbed(TABLE, D, name='items')(s)))
+      lambda s: haiku_layers.HashEmbed(TABLE, D, name='items')(s)))
   params = f.init(jax.random.key(0), slots)
   tx = lazy_optax.lazy_adam(0.1)
   opt_state = tx.init(params)
@@ -124,8 +126,8 @@ def test_haiku_hash_embed_trains_the_assigned_rows():
   _check_step(table, new['items']['embeddings'],
               grads['items']['embeddings'], slots)
   g = hk.without_apply_rng(hk.transform(
-      lambda s: lazy_optax.haiku.HashEmbedBag(TABLE, D, mode='max',
-                                              name='items')(s)))
+      lambda s: haiku_layers.HashEmbedBag(TABLE, D, mode='max',
+                                          name='items')(s)))
   np.testing.assert_array_equal(g.apply(params, slots), lazy_optax.lookup_bag(
       table, slots, mode='max', padding_id=CAP))
 

@@ -6,10 +6,11 @@ the first bad id; under jit, `lazy_optax.checks.checked` reports them. Padding i
 read their row and never produce a gradient row.
 """
 
+import importlib
+
 import equinox as eqx
 from flax import nnx
 import flax.linen as nn
-import haiku as hk
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,7 +20,6 @@ import pytest
 import lazy_optax
 import lazy_optax.equinox
 import lazy_optax.flax
-import lazy_optax.haiku
 
 NUM_ROWS, DIM = 10, 2
 BAD = np.array([[1, NUM_ROWS], [-1, 3]], np.int32)   # first bad: 10 at [0 1]
@@ -57,7 +57,9 @@ def _entry(name, padding_id=None):
     params['embedding'].set_value(table)
     return params, lambda p, ids: nnx.merge(graphdef, p)(ids), 'embedding', bag
   if name.startswith('haiku'):
-    cls = lazy_optax.haiku.EmbedBag if bag else lazy_optax.haiku.Embed
+    hk = pytest.importorskip('haiku')
+    haiku_layers = importlib.import_module('lazy_optax.haiku')
+    cls = haiku_layers.EmbedBag if bag else haiku_layers.Embed
     f = hk.without_apply_rng(hk.transform(
         lambda ids: cls(NUM_ROWS, DIM, padding_id=padding_id, name='emb',
                         **mode)(ids)))

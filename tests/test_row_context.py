@@ -158,8 +158,13 @@ def test_nested_lazy_runs_the_inner_rule_on_the_outer_blocks():
   choice = _explain(nested)
   assert (choice.rule, choice.impl) == ('adam', 'xla')
   assert _explain(inner) == choice
-  np.testing.assert_array_equal(_train(nested)['table'],
-                                _train(inner)['table'])
+  got, want = _train(nested)['table'], _train(inner)['table']
+  if all(d.platform == 'cpu' for d in got.devices()):
+    np.testing.assert_array_equal(got, want)
+  else:
+    # On a GPU the two programs sum the duplicate ids' rows in another
+    # order (XLA's scatter-add): a last-bit difference (measured 1.5e-7).
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
   np.testing.assert_allclose(_train(nested)['table'], _dense_adam(),
                              rtol=1e-5, atol=1e-6)
 

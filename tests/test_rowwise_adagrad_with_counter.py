@@ -136,6 +136,7 @@ def _kernel_steps(tx, num_rows):
   return fused, rows
 
 
+@pytest.mark.cpu_kernels
 @pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize('mode', ['adagradw', 'decoupled'])
 def test_decay_is_applied_inside_the_scatter_add_bit_for_bit(mode, dtype):
@@ -183,6 +184,7 @@ def test_decay_is_applied_inside_the_scatter_add_bit_for_bit(mode, dtype):
   assert np.all(np.asarray(u, np.float32) != 0)
 
 
+@pytest.mark.cpu_kernels
 def test_l2_mode_reads_the_weights_in_the_kernel():
   """'l2' adds the decay to the gradient whose square the accumulator
   sums: the state reads the weights, so the kernel takes the parameter

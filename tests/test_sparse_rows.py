@@ -214,7 +214,11 @@ def test_concrete_and_traced_id_codes_have_the_same_bits(n):
 
 def test_a_concrete_sparse_rows_flattens_and_reads_its_ids_without_xla():
   # Shapes no other test uses: an op-by-op program would compile here.
-  g = SparseRows(jnp.arange(29) % 23, jnp.ones((29, 3)), 1009)
+  # Host arrays (committed to the CPU on a GPU machine too): ids on an
+  # accelerator are encoded by XLA, by design.
+  host = jax.devices('cpu')[0]
+  g = SparseRows(jax.device_put(jnp.arange(29) % 23, host),
+                 jax.device_put(jnp.ones((29, 3)), host), 1009)
   scaled = jnp.asarray(2.0 ** -80, jnp.float32)   # flushes every code entry
   compiles = []
 

@@ -1,5 +1,6 @@
 """docs/train_steps.md runs; make_train_step and warn_if_not_donated."""
 
+import importlib.util
 import pathlib
 import re
 import warnings
@@ -15,9 +16,18 @@ GUIDE = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
          'train_steps.md')
 
 
+@pytest.mark.cpu_kernels
 def test_every_python_block_of_the_guide_runs_in_order():
   blocks = re.findall(r'```python\n(.*?)```', GUIDE.read_text(), re.S)
   assert len(blocks) == 6
+  # The Haiku block runs where Haiku is installed (an optional dependency);
+  # elsewhere a stand-in draws its 51 batches, so that the next blocks
+  # train on the same data.
+  haiku = importlib.util.find_spec('haiku') is not None
+  (i,) = [i for i, code in enumerate(blocks) if 'import haiku' in code]
+  assert blocks[i].count('batch()') == 2 and 'range(50)' in blocks[i]
+  if not haiku:
+    blocks[i] = 'for _ in range(1 + 50):\n  batch()\n'
   namespace = {}
   with warnings.catch_warnings():
     # Every step in the guide is donated: no lazy_optax warning, and no
@@ -30,7 +40,7 @@ def test_every_python_block_of_the_guide_runs_in_order():
       except Exception as e:
         raise AssertionError(f'guide block {i} failed:\n{code}') from e
   for name in ('params', 'state', 'nnx_state', 'hk_params', 'eqx_model'):
-    assert name in namespace, name
+    assert name in namespace or (name == 'hk_params' and not haiku), name
   # The steps trained: each framework's last loss is well below the first.
   assert float(namespace['loss']) < 1.0
   # Every framework's step reaches the fused CPU row update of lazy_adam.
@@ -41,11 +51,13 @@ def test_every_python_block_of_the_guide_runs_in_order():
       'nnx split/merge': ns['nnx_step'].lower(ns['nnx_state'], *batch()),
       'nnx.jit': ns['nnx_jit_step'].lower(ns['model'], ns['optimizer'],
                                           *batch()),
-      'haiku': ns['haiku_step'].lower(ns['hk_params'], ns['hk_opt_state'],
-                                      *batch()),
+      'haiku': haiku and ns['haiku_step'].lower(
+          ns['hk_params'], ns['hk_opt_state'], *batch()),
       'equinox': ns['eqx_step'].lower(batch(), ns['eqx_model'],
                                       ns['eqx_opt_state']),
   }
+  if not haiku:
+    del lowered['haiku']
   for framework, step in lowered.items():
     assert 'lazy_optax_LazyOptaxAdam' in step.as_text(), framework
 
@@ -164,6 +176,7 @@ def test_a_linear_loss_through_value_and_grad_copies_no_table():
   np.testing.assert_array_equal(params['table'][8:], 0.0)
 
 
+@pytest.mark.cpu_kernels
 def test_a_step_that_copies_a_donated_table_is_reported():
   # Rows looked up by hand with a linear loss: nothing orders the lookup
   # before the in-place update, and XLA copies the table inside the step.

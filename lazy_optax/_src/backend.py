@@ -102,21 +102,59 @@ def placement_refusal(table: Any, where: Placement) -> str:
   return ''
 
 
+def _default_device() -> Any:
+  """`jax.config.jax_default_device`: a device, a platform name or None."""
+  # Read by name: jax's type stubs of `jax.config` list no option.
+  return getattr(jax.config, 'jax_default_device', None)
+
+
+def default_platform() -> tuple[str, str]:
+  """The platform a step whose trace names no device compiles for, and what
+  chose it.
+
+  `jax.jit` of arrays that are not committed to a device compiles for JAX's
+  default device: `jax.config.jax_default_device` where it is set (a device
+  or a platform name, as `jax.default_device(...)` sets it), else the
+  default backend's first device.
+
+  Returns:
+    The platform (`'cpu'`, `'gpu'`, ...) and, in words, what chose it.
+  """
+  device = _default_device()
+  if device is None:
+    return jax.default_backend(), 'the default backend'
+  platform = device if isinstance(device, str) else device.platform
+  return platform.lower(), 'the default device (jax_default_device)'
+
+
 def lowering_refusal(where: Placement) -> str:
   """Why a table whose trace names no platform gets no kernel: the step
-  compiles for the default backend, and it is not the CPU ('' where it is).
+  compiles for the default device's platform, and it is not the CPU (''
+  where it is).
 
   Such a step (`jax.jit` of arrays on one device) lowers its kernel calls
   under `jax.lax.platform_dependent`, so a GPU or TPU compile drops them:
   `'auto'` reports and lowers the XLA path there instead of naming a kernel
-  that would not run.
+  that would not run. Under `jax.default_device(jax.devices('cpu')[0])` on
+  a GPU machine, the step compiles for the CPU and keeps its kernels.
   """
   if where.platform is not None:
     return ''
-  default = jax.default_backend()
-  if default == 'cpu':
+  platform, chooser = default_platform()
+  if platform == 'cpu':
     return ''
-  return f'the step compiles for {default}, the default backend'
+  return f'the step compiles for {platform}, {chooser}'
+
+
+def _kernel_reason(impl: str, where: Placement) -> str:
+  """Why the CPU kernel runs, for `impl` ('auto' or 'cpu_kernel')."""
+  if impl == 'cpu_kernel':
+    return "impl='cpu_kernel' was asked for"
+  reason = ('the CPU kernel updates the rows in place (on another platform, '
+            'the xla path)')
+  if where.platform is None and _default_device() is not None:
+    reason += f'; the step compiles for cpu, {default_platform()[1]}'
+  return reason
 
 
 def without_kernel(table: Any, where: Placement, why: str) -> Backend:
@@ -157,10 +195,8 @@ def decide(table: Any, impl: str, *, refusal: str = '',
           f"{subject}(impl='cpu_kernel') cannot update parameter {name}: "
           f"{refusal}. Use impl='auto'.")
     return without_kernel(table, where, refusal)
-  reason = ("impl='cpu_kernel' was asked for" if impl == 'cpu_kernel' else
-            'the CPU kernel updates the rows in place (on another platform, '
-            'the xla path)')
-  return Backend('cpu_kernel', reason, row_kernels_allowed(where), where)
+  return Backend('cpu_kernel', _kernel_reason(impl, where),
+                 row_kernels_allowed(where), where)
 
 
 def for_array(x: Any, impl: str = 'auto') -> Backend:

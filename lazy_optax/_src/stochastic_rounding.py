@@ -76,7 +76,10 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   x = jnp.asarray(x)
   wide = jnp.promote_types(x.dtype, jnp.float32)
   x = x.astype(wide)
-  nearest = x.astype(dtype)
+  # Behind a barrier: XLA may otherwise drop the round trip `x` -> `dtype`
+  # -> `wide` of `near` below (excess precision, as XLA:GPU does by
+  # default), making `near` equal to `x` and the rounding biased.
+  nearest = jax.lax.optimization_barrier(x.astype(dtype))
   near = nearest.astype(wide)
   finite_max = jnp.asarray(jnp.finfo(dtype).max, dtype)
   # The neighbour on the other side of x.
