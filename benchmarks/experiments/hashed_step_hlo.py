@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.experiments.hashed_table import _table_sized_copies
+from benchmarks.experiments.hashed_table import hashed_train_step
 import lazy_optax
 
 
@@ -47,23 +48,11 @@ def parts(capacity: int, dim: int, batch: int) -> dict:
         tx, params, opt_state, {'table': fresh}, init=init, key=key)
     return params, opt_state, id_state, slots
 
-  def loss_fn(params, slots):
-    rows = lazy_optax.lookup(params['table'], slots)
-    return jnp.mean((rows @ params['w'] - 1.0) ** 2)
-
-  def whole(params, opt_state, id_state, words, step):
-    params, opt_state, id_state, slots = assign_reset(
-        params, opt_state, id_state, words, step)
-    loss, grads = lazy_optax.value_and_grad(loss_fn)(params, slots)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (lazy_optax.apply_updates(params, updates), opt_state, id_state,
-            loss)
-
   return {
       'assign': (assign, (0,), (id_state, words, step)),
       'assign_reset_rows': (assign_reset, (0, 1, 2),
                             (params, opt_state, id_state, words, step)),
-      'hashed_step': (whole, (0, 1, 2),
+      'hashed_step': (hashed_train_step(table, tx, init, key), (0, 1, 2),
                       (params, opt_state, id_state, words, step)),
   }
 

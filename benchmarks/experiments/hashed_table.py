@@ -90,6 +90,32 @@ def eviction(args: argparse.Namespace) -> dict:
   return {} if args.eviction is None else {'eviction': args.eviction}
 
 
+def hashed_train_step(table_ids, tx, init, key):
+  """The hashed train step: `assign` + `reset_rows` + `lookup` + update.
+
+  Returns `step(params, opt_state, id_state, words, step)` ->
+  `(params, opt_state, id_state, loss)`, not jitted; the loss is
+  `mean((rows @ w - 1)^2)`.
+  """
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+
+  import lazy_optax  # pylint: disable=g-import-not-at-top
+
+  def loss_fn(params, slots):
+    rows = lazy_optax.lookup(params['table'], slots)
+    return jnp.mean((rows @ params['w'] - 1.0) ** 2)
+
+  def step(params, opt_state, id_state, words, step):
+    slots, id_state, fresh = table_ids.assign(id_state, words, step=step)
+    params, opt_state = lazy_optax.reset_rows(
+        tx, params, opt_state, {'table': fresh}, init=init, key=key)
+    loss, grads = lazy_optax.value_and_grad(loss_fn)(params, slots)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (lazy_optax.apply_updates(params, updates), opt_state, id_state,
+            loss)
+  return step
+
+
 def train_steps(args: argparse.Namespace, stream: np.ndarray) -> dict:
   """Part 1: the hashed step against the fixed-table step, interleaved."""
   import jax  # pylint: disable=g-import-not-at-top
@@ -113,14 +139,7 @@ def train_steps(args: argparse.Namespace, stream: np.ndarray) -> dict:
     updates, opt_state = tx.update(grads, opt_state, params)
     return lazy_optax.apply_updates(params, updates), opt_state, loss
 
-  def hashed_step(params, opt_state, id_state, words, step):
-    slots, id_state, fresh = table_ids.assign(id_state, words, step=step)
-    params, opt_state = lazy_optax.reset_rows(
-        tx, params, opt_state, {'table': fresh}, init=init, key=key)
-    loss, grads = lazy_optax.value_and_grad(loss_fn)(params, slots)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (lazy_optax.apply_updates(params, updates), opt_state, id_state,
-            loss)
+  hashed_step = hashed_train_step(table_ids, tx, init, key)
 
   def fresh_params(seed):
     k = jax.random.key(seed)
@@ -152,15 +171,7 @@ def train_steps(args: argparse.Namespace, stream: np.ndarray) -> dict:
   big_params = {'table': jax.ShapeDtypeStruct((2 * cap, dim), jnp.float32),
                 'w': jax.ShapeDtypeStruct((dim,), jnp.float32)}
 
-  def big_step(params, opt_state, id_state, words, step):
-    slots, id_state, fresh = big_ids.assign(id_state, words, step=step)
-    params, opt_state = lazy_optax.reset_rows(
-        tx, params, opt_state, {'table': fresh}, init=init, key=key)
-    loss, grads = lazy_optax.value_and_grad(loss_fn)(params, slots)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (lazy_optax.apply_updates(params, updates), opt_state, id_state,
-            loss)
-
+  big_step = hashed_train_step(big_ids, tx, init, key)
   big = jax.jit(big_step, donate_argnums=(0, 1, 2)).lower(
       big_params, jax.eval_shape(tx.init, big_params),
       jax.eval_shape(big_ids.init), words[0], jnp.int32(0)).compile()
