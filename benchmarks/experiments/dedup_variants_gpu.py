@@ -26,26 +26,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 
 import jax
-import jax.numpy as jnp
 
 from benchmarks import common
 from benchmarks.experiments import gpu_steps
 from lazy_optax._src import dedup
-
-
-def _search_with(method: str):
-  def slots(ids, num_rows):
-    sorted_ids = jnp.sort(ids)
-    starts = jnp.concatenate(
-        [jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
-    fill = jnp.asarray(num_rows, ids.dtype)
-    unique_ids = jnp.where(starts, sorted_ids, fill)
-    slot = jnp.searchsorted(sorted_ids, ids, side='left', method=method)
-    return unique_ids, slot
-  return slots
 
 
 @contextlib.contextmanager
@@ -56,7 +44,8 @@ def variant(name: str):
     dedup.PACKED_MAX_IDS = 1 << 30
   elif name.startswith('search_'):
     dedup.PACKED_MAX_IDS = 0
-    dedup._slots_search = _search_with(name[len('search_'):])  # pylint: disable=protected-access
+    dedup._slots_search = functools.partial(  # pylint: disable=protected-access
+        saved[1], search=name[len('search_'):])
   try:
     yield
   finally:

@@ -98,7 +98,7 @@ def _slots_packed(ids: jax.Array, num_rows: int
   return unique_ids, slot
 
 
-def _slots_search(ids: jax.Array, num_rows: int
+def _slots_search(ids: jax.Array, num_rows: int, search: str = 'scan'
                   ) -> tuple[jax.Array, jax.Array]:
   # Slot k stands for the run of equal ids that starts at k in the sorted
   # ids; each id finds its run's first slot by binary search.
@@ -107,7 +107,7 @@ def _slots_search(ids: jax.Array, num_rows: int
       [jnp.ones((1,), bool), sorted_ids[1:] != sorted_ids[:-1]])
   fill = jnp.asarray(num_rows, ids.dtype)
   unique_ids = jnp.where(starts, sorted_ids, fill)
-  slot = jnp.searchsorted(sorted_ids, ids, side='left', method='scan')
+  slot = jnp.searchsorted(sorted_ids, ids, side='left', method=search)
   return unique_ids, slot
 
 
