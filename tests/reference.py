@@ -56,6 +56,12 @@ class TFLazyAdam:
     return sorted(summed)
 
 
+def off_the_cpu(x) -> bool:
+  """Whether the array `x` lives on a device other than the CPU (where XLA
+  may sum duplicate rows in another order than the CPU's program does)."""
+  return any(d.platform != 'cpu' for d in x.devices())
+
+
 def optax_adam_rows(p, m, v, t, g, lr=1e-3, b1=0.9, b2=0.999, eps=1e-8):
   """optax.adam's formulation on a block of rows, float64; returns p, m, v."""
   m = b1 * m + (1 - b1) * g
