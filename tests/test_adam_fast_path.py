@@ -118,7 +118,10 @@ def test_fast_path_equals_plain_lazy(impl, kind, kw):
       tol = 1e-2 if a.dtype == jnp.bfloat16 else 2e-6
       atol = 1e-5 if a.dtype == jnp.bfloat16 else 5e-7
       if _bfloat16_step_apart(a, kw):
-        tol, atol = 1e-2, 1e-4
+        # A bfloat16 step of the update: the learning rate's (1e-2) scale,
+        # or the update's own O(1) scale when no learning rate applies
+        # (measured on a GPU: 1.6e-3 where the plain path's update was 0).
+        tol, atol = 1e-2, (1e-2 if kind == 'scale_by' else 1e-4)
       np.testing.assert_allclose(np.asarray(a, np.float32),
                                  np.asarray(b, np.float32), rtol=tol,
                                  atol=atol, err_msg=str(t))

@@ -230,6 +230,51 @@ def test_branch_free_assign_equals_the_skipping_one_and_the_model(name, data):
     _check_invariants(table, state)
 
 
+_SCATTER = re.compile(
+    r'"stablehlo\.scatter"\(.*?\^bb0\((%\w+): [^,]*, (%\w+): [^)]*\):'
+    r'(.*?)stablehlo\.return (%\w+)', re.S)
+_COMBINE = re.compile(r'^\s*(%\w+) = stablehlo\.(\w+) (%\w+), (%\w+)')
+
+
+def _scatter_combiners(text):
+  """How each scatter of a StableHLO program combines: 'replace', an
+  associative op's name, or the body's text when it is neither."""
+  kinds = []
+  for old, new, body, result in _SCATTER.findall(text):
+    lines = [ln for ln in body.splitlines() if ln.strip()]
+    match = _COMBINE.match(lines[0]) if len(lines) == 1 else None
+    if not lines and result == new:
+      kinds.append('replace')
+    elif (match and match.group(1) == result
+          and {match.group(3), match.group(4)} == {old, new}
+          and match.group(2) in ('add', 'minimum', 'maximum', 'or', 'and')):
+      kinds.append(match.group(2))
+    else:
+      kinds.append(body.strip())
+  return kinds
+
+
+@pytest.mark.parametrize('name', ['admit', 'mixed', 'lfu_always_ttl'])
+def test_every_scatter_of_xla_assign_combines_associatively(name):
+  """Batches repeat ids, so the scatters of XLA's assign meet repeated
+  cells. A deterministic GPU scatter (`--xla_gpu_deterministic_ops`)
+  combines a cell's updates first and applies the result once: a body
+  that is not an associative op of its two arguments (or a plain
+  replacement) then counts differently from the CPU, as a saturating
+  increment once did for the admission sketch."""
+  cfg, n = CONFIGS[name]
+  table = lazy_optax.IdTable(eviction_log=LOG, **cfg)
+  fn = jax.jit(lambda s, w, now: table._assign_xla(s, w, now))
+  text = fn.lower(table.init(), jnp.zeros((n, 2), jnp.uint32),
+                  jnp.int32(0)).as_text()
+  kinds = _scatter_combiners(text)
+  assert len(kinds) == text.count('"stablehlo.scatter"') > 0
+  odd = [k for k in kinds if k not in ('replace', 'add', 'minimum',
+                                       'maximum', 'or', 'and')]
+  assert not odd, odd
+
+
+
 @SETTINGS
 @given(data=st.data())
 def test_batch_order_and_duplicates_do_not_change_the_mapping(data):

@@ -234,11 +234,6 @@ def halve_branch_free(sketch: jax.Array, halvings: jax.Array) -> jax.Array:
   return sketch >> jnp.clip(halvings, 0, 31)
 
 
-def _count_once(cell: jax.typing.ArrayLike) -> jax.Array:
-  """One more lookup in a sketch cell, capped at `COUNT_LIMIT`."""
-  return jnp.minimum(cell + 1, COUNT_LIMIT)
-
-
 def admit(table: Any, sketch: Optional[jax.Array], words: jax.Array,
           valid: jax.Array, need: jax.Array, prev: jax.Array, now: jax.Array
           ) -> tuple[Optional[jax.Array], jax.Array, Optional[jax.Array]]:
@@ -275,10 +270,14 @@ def admit(table: Any, sketch: Optional[jax.Array], words: jax.Array,
   cols = id_hashing.sketch_columns(words, depth, width, table.seed)
   cols = jnp.where((valid if all_lookups else need)[None, :], cols, width)
   rows = jnp.broadcast_to(lax.iota(jnp.int32, depth)[:, None], cols.shape)
-  # One scatter counts each lookup, capped (a cell looked up k times gets
-  # min(cell + k, COUNT_LIMIT), as an add then a min would give): each
-  # cell is a cache miss on a large sketch, read and written once.
-  sketch = sketch.at[rows, cols].apply(_count_once, mode='drop')
+  # Each lookup counted, capped: a cell looked up k times gets
+  # min(cell + k, COUNT_LIMIT). An add then a min, both scatters of the
+  # batch's cells (not a pass over the sketch). Both combine repeated
+  # cells associatively, as XLA's deterministic GPU scatter requires: a
+  # scatter that applies `min(cell + 1, limit)` once per update counted
+  # a cell looked up 12 times as 1 there (`--xla_gpu_deterministic_ops`).
+  sketch = sketch.at[rows, cols].add(1, mode='drop')
+  sketch = sketch.at[rows, cols].min(COUNT_LIMIT, mode='drop')
   seen = estimate(table, sketch, words, need)
   if table.admit_after == 1:
     return sketch, need, seen
