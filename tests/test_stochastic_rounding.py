@@ -9,6 +9,7 @@ import pytest
 from sharded_checks import run_checks
 
 import lazy_optax
+from lazy_optax._src import stochastic_rounding
 
 KEY = jax.random.key(42)
 # One program per shape and dtype, not the rounding's ops one by one.
@@ -69,6 +70,31 @@ def test_special_values_and_saturation():
   y16 = _f32(_round(jnp.array([7e4, 1e-8], jnp.float32), jnp.float16, KEY))
   assert y16[0] == float(jnp.finfo(jnp.float16).max)
   assert y16[1] in (0.0, float(jnp.finfo(jnp.float16).smallest_subnormal))
+
+
+@pytest.mark.parametrize('dtype', [jnp.bfloat16, jnp.float16, jnp.float32])
+def test_neighbour_is_numpys_nextafter_on_every_pattern(dtype):
+  """The rounding's neighbour against NumPy's `nextafter` (ml_dtypes' for
+  bfloat16): every 16-bit pattern, float32 patterns at random and at the
+  edges (zeros, subnormals, the largest finite values, infinities)."""
+  np_dtype = np.dtype(dtype)
+  if np_dtype.itemsize == 2:
+    bits = np.arange(2 ** 16, dtype=np.uint16)
+  else:
+    rng = np.random.default_rng(0)
+    edges = np.array([0, 1, 2, 0x7F7FFFFF, 0x7F800000, 0x807FFFFF,
+                      0x00800000, 0x7F7FFFFE], np.uint32)
+    bits = np.concatenate([rng.integers(0, 2 ** 32, 20000, np.uint32),
+                           edges, edges | np.uint32(0x80000000)])
+  x = bits.view(np_dtype)
+  finite_or_inf = ~np.isnan(x)
+  x = x[finite_or_inf]
+  step = jax.jit(stochastic_rounding.neighbour)
+  for up, toward in ((True, np.inf), (False, -np.inf)):
+    got = np.asarray(step(jnp.asarray(x), jnp.asarray(up)))
+    want = np.nextafter(x, np.array(toward, np_dtype))
+    np.testing.assert_array_equal(got.view(bits.dtype),
+                                  want.view(bits.dtype), err_msg=str(up))
 
 
 def _table(rows=64, d=8, dtype=jnp.bfloat16, seed=0):

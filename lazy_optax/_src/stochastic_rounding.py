@@ -83,8 +83,7 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   near = nearest.astype(wide)
   finite_max = jnp.asarray(jnp.finfo(dtype).max, dtype)
   # The neighbour on the other side of x.
-  toward = jnp.where(near > x, -jnp.inf, jnp.inf).astype(dtype)
-  other = jnp.nextafter(nearest, toward)
+  other = neighbour(nearest, up=near <= x)
   # Past the largest finite value, nearest is an infinity: saturate.
   overflow = jnp.isinf(nearest) & jnp.isfinite(x)
   nearest = jnp.where(overflow, jnp.sign(x).astype(dtype) * finite_max,
@@ -98,6 +97,38 @@ def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
   u = jax.random.uniform(key, x.shape, wide)
   out = jnp.where(u < prob, other, nearest)
   return jnp.where(jnp.isfinite(x), out, x.astype(dtype))
+
+
+def neighbour(x: jax.Array, up: jax.Array) -> jax.Array:
+  """The next representable value after `x` toward +inf (`up`) or -inf.
+
+  `jnp.nextafter(x, +-inf)` for a 16- or 32-bit float `x`, by integer steps
+  of the bit pattern (elementwise integer ops only, which every sharding
+  and batching rule handles): moving away from zero adds one to the
+  pattern, toward zero subtracts one, and zero steps to the smallest
+  subnormal of the direction's sign. An infinity steps back to the largest
+  finite value (and stays where it points outward); NaN stays NaN.
+
+  Args:
+    x: a float16, bfloat16 or float32 array.
+    up: bool, broadcastable to `x`: step toward +inf where True.
+
+  Returns:
+    An array like `x`.
+  """
+  uint = {2: jnp.uint16, 4: jnp.uint32}[jnp.dtype(x.dtype).itemsize]
+  bits = jax.lax.bitcast_convert_type(x, uint)
+  sign = jnp.asarray(1 << (8 * jnp.dtype(uint).itemsize - 1), uint)
+  negative = (bits & sign) != 0
+  zero = (bits & ~sign) == 0
+  one = jnp.asarray(1, uint)
+  away = up != negative   # moving away from zero
+  stepped = jnp.where(away, bits + one, bits - one)
+  smallest = jnp.where(up, one, sign | one)
+  out = jax.lax.bitcast_convert_type(
+      jnp.where(zero, smallest, stepped).astype(uint), x.dtype)
+  # NaN stays; an infinity has nothing beyond it.
+  return jnp.where(jnp.isnan(x) | (jnp.isinf(x) & away), x, out)
 
 
 def _kernel_rounds(param: Any, ids: Any, key: jax.Array,
