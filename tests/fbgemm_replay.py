@@ -101,7 +101,8 @@ def maker_module() -> Any:
 
 
 def replay(tx: optax.GradientTransformation, data: Any,
-           record: Callable[[Any], dict], jit: bool = True
+           record: Callable[[Any], dict], jit: bool = True,
+           before_step: Callable[[int, jax.Array], jax.Array] | None = None,
            ) -> dict[str, np.ndarray]:
   """Steps `tx` through the fixture's `(ids, grads)` on `table0`.
 
@@ -111,6 +112,8 @@ def replay(tx: optax.GradientTransformation, data: Any,
     record: `state -> {name: array}`, what to keep of the state after
       each step.
     jit: jit the step (donating parameters and state) or run it eagerly.
+    before_step: `(t, table) -> table`, applied outside the optimizer
+      before step `t` (counted from 1), or None.
 
   Returns:
     `{'tables': [steps, rows, dim], name: [steps, ...] per recorded name}`.
@@ -127,7 +130,9 @@ def replay(tx: optax.GradientTransformation, data: Any,
   params = {'table': jnp.asarray(data['table0'])}
   state = tx.init(params)
   out = collections.defaultdict(list)
-  for ids, grads in zip(data['ids'], data['grads']):
+  for t, (ids, grads) in enumerate(zip(data['ids'], data['grads']), start=1):
+    if before_step is not None:
+      params = {'table': before_step(t, params['table'])}
     params, state = step(params, state, jnp.asarray(ids), jnp.asarray(grads))
     out['tables'].append(np.asarray(params['table']))
     for name, value in record(state).items():

@@ -28,6 +28,16 @@ longest gaps). Besides the inputs it holds `ar_alpha`, `ema_beta`,
 `min_shrinkage` and FBGEMM's `tables`, `momentum` (its `v`) and `prev_iter`
 after every step.
 
+With `--emainplace` it makes `fbgemm_emainplace_rowwise_adagrad.npz`:
+FBGEMM's `EMAINPLACE_ROWWISE_ADAGRAD` (`run_fbgemm_emainplace`) on the same
+kind of stream as the AR fixture (`ar_inputs`). That optimizer is row-wise
+Adagrad plus, at the start of every training forward call `t` (counted from
+1) with `t % step_ema == 0` and `t >= step_start`, a blend of the second
+half of every row of the table (looked up or not) toward its first half:
+`w[:, D/2:] += step_ema_coef * (w[:, :D/2] - w[:, D/2:])`. Besides the
+inputs it holds `step_ema`, `step_start`, `step_ema_coef` and FBGEMM's
+`tables` and `accumulators` (its `momentum1`) after every step.
+
 Only numpy is imported at module level: pytest imports this file for its
 doctests in the main environment, where torch is another version.
 """
@@ -181,6 +191,67 @@ def main_ar(args: argparse.Namespace) -> None:
         f'ids into {args.rows} x {args.row}; FBGEMM {data["fbgemm_version"]}')
 
 
+# -- EMAINPLACE_ROWWISE_ADAGRAD ----------------------------------------------
+
+EMAINPLACE_OUT = os.path.join(HERE, 'fbgemm_emainplace_rowwise_adagrad.npz')
+
+
+def run_fbgemm_emainplace(data: dict, learning_rate: float, eps: float,
+                          step_ema: int, step_start: int,
+                          step_ema_coef: float) -> dict:
+  """FBGEMM's EMAINPLACE_ROWWISE_ADAGRAD tables and `momentum1` after each
+  step of `data`."""
+  # pylint: disable=g-import-not-at-top
+  import fbgemm_gpu
+  from fbgemm_gpu import split_embedding_configs as configs
+  from fbgemm_gpu import split_table_batched_embeddings_ops_common as ops
+  from fbgemm_gpu import split_table_batched_embeddings_ops_training as train
+  from fbgemm_gpu.tbe.config import optimizer_config as oc
+  import torch
+
+  rows, row = data['table0'].shape
+  tbe = train.SplitTableBatchedEmbeddingBagsCodegen(
+      [(rows, row, ops.EmbeddingLocation.HOST, ops.ComputeDevice.CPU)],
+      optimizer=configs.EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
+      learning_rate=learning_rate, eps=eps,
+      emainplace_mode=oc.EmainplaceModeDefinition(
+          step_ema=step_ema, step_start=step_start,
+          step_ema_coef=step_ema_coef),
+      pooling_mode=ops.PoolingMode.NONE, device='cpu')
+  assert tbe.training    # the blend runs in training mode only
+  with torch.no_grad():
+    tbe.split_embedding_weights()[0].copy_(torch.from_numpy(data['table0']))
+  tables, accumulators = [], []
+  for step_ids, g in zip(data['ids'], data['grads']):
+    indices = torch.from_numpy(step_ids.astype(np.int64))
+    offsets = torch.arange(indices.numel() + 1, dtype=torch.int64)
+    tbe(indices, offsets).backward(torch.from_numpy(g))
+    tables.append(tbe.split_embedding_weights()[0].detach().numpy().copy())
+    accumulators.append(tbe.split_optimizer_states()[0][0].detach().numpy()
+                        .reshape(rows).copy())
+  return {'tables': np.stack(tables), 'accumulators': np.stack(accumulators),
+          'fbgemm_version': np.array(getattr(fbgemm_gpu, '__version__', '?')),
+          'torch_version': np.array(torch.__version__)}
+
+
+def main_emainplace(args: argparse.Namespace) -> None:
+  """Writes the EMAINPLACE_ROWWISE_ADAGRAD fixture."""
+  data = ar_inputs(args.seed, args.rows, args.row, args.ids, args.steps)
+  data.update(run_fbgemm_emainplace(
+      data, args.learning_rate, args.eps, args.step_ema, args.step_start,
+      args.step_ema_coef))
+  data['learning_rate'] = np.float32(args.learning_rate)
+  data['eps'] = np.float32(args.eps)
+  data['step_ema'] = np.int32(args.step_ema)
+  data['step_start'] = np.int32(args.step_start)
+  data['step_ema_coef'] = np.float32(args.step_ema_coef)
+  out = args.out or EMAINPLACE_OUT
+  np.savez_compressed(out, **data)
+  print(f'wrote {out}: EMAINPLACE_ROWWISE_ADAGRAD, {args.steps} steps of '
+        f'{args.ids} ids into {args.rows} x {args.row}; FBGEMM '
+        f'{data["fbgemm_version"]}')
+
+
 # -- WeightDecayMode.COUNTER (rowwise_adagrad_with_counter) -----------------
 
 COUNTER_OUT = os.path.join(HERE, 'fbgemm_rowwise_adagrad_counter.npz')
@@ -331,7 +402,17 @@ def main() -> None:
   parser.add_argument('--counter', action='store_true',
                       help='WeightDecayMode.COUNTER configurations instead '
                       f'(default --out {os.path.basename(COUNTER_OUT)})')
+  parser.add_argument('--emainplace', action='store_true',
+                      help='make the EMAINPLACE_ROWWISE_ADAGRAD fixture '
+                      'instead (default --out '
+                      f'{os.path.basename(EMAINPLACE_OUT)})')
+  parser.add_argument('--step-ema', type=int, default=5)
+  parser.add_argument('--step-start', type=int, default=12)
+  parser.add_argument('--step-ema-coef', type=float, default=0.3)
   args = parser.parse_args()
+  if args.emainplace:
+    main_emainplace(args)
+    return
   if args.rowwise_rmsprop_ar:
     main_ar(args)
     return
