@@ -2,6 +2,12 @@
 
     python3 -m benchmarks.experiments.counter_rates [--plot counter_rates.png]
 
+The committed run (defaults, about 15 s on a shared 2-core machine):
+
+    python3 -m benchmarks.experiments.counter_rates \\
+        --json benchmarks/results/counter_rates/results.json \\
+        --plot benchmarks/results/counter_rates/held_out_loss.png
+
 Trains the shared factorization machine (`ctr_stream`: Zipf ids, a planted
 model) with row-wise Adagrad on the table and Adam on the dense bias, the
 table's rule being one of:
@@ -16,9 +22,10 @@ table's rule being one of:
   decay catches up on absent steps).
 
 It reports the held-out loss after each epoch on all held-out samples and on
-those holding an id seen at most twice in training (the tail), and with
-`--plot` draws both. The claim under test: a counter-based rate that gives
-rare rows a larger step lowers the tail's loss against the constant rate.
+those holding an id seen at most twice in training (the tail); `--json`
+writes them and `--plot` draws both (matplotlib, an extra). The claim under
+test: a counter-based rate that gives rare rows a larger step lowers the
+tail's loss against the constant rate.
 """
 
 from __future__ import annotations
