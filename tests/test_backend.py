@@ -208,6 +208,8 @@ class _Around(NamedTuple):
   # small: by default it looks at every 2-D argument).
   copy_bytes: int = 1
   eps: float = 1e-8               # the rule's epsilon
+  apply: Callable[[Any, Any], Any] = lazy_optax.apply_updates
+  scan: int = 0                   # batches per call, in a lax.scan
 
 
 def _halves(ids, values):
@@ -282,6 +284,12 @@ AROUND = {
         lambda: optax.chain(lazy_optax.lazy(optax.clip(1e6)),
                             lazy_optax.lazy_adam(LR, eps=EPS)),
         _Around(eps=EPS)),
+    'lax.scan of 2 steps, lazy_adam': (
+        lambda: lazy_optax.lazy_adam(LR, eps=EPS),
+        _Around(eps=EPS, scan=2)),
+    'lazy_adam, optax.apply_updates': (
+        lambda: lazy_optax.lazy_adam(LR, eps=EPS),
+        _Around(eps=EPS, apply=optax.apply_updates)),
     # Its k x B buffer of rows is copied each step (O(batch)): the check is
     # on table-sized copies.
     'multi_steps(lazy_adam, every_k=2)': (
@@ -305,9 +313,28 @@ def _donated_step(tx, with_params=True, around=_Around()):
                           'w': jnp.zeros_like(params['w'])})
     updates, state = tx.update(grads, state,
                                params if with_params else None)
-    return lazy_optax.apply_updates(params, updates), state
+    return around.apply(params, updates), state
+
+  if around.scan:
+    plain = body
+
+    def body(params, state, ids, flat_values):
+      def one(carry, batch):
+        return plain(*carry, *batch), None
+      values = flat_values.reshape(ids.shape[0], -1)
+      return jax.lax.scan(one, (params, state), (ids, values))[0]
 
   return jax.jit(body, donate_argnums=(0, 1))
+
+
+def _step_args(around, batches):
+  """The step's arguments for its first batches, and the batches left."""
+  if not around.scan:
+    (ids, values), *rest = batches
+    return (ids, values.ravel()), rest
+  take, rest = batches[:around.scan], batches[around.scan:]
+  return (np.stack([i for i, _ in take]),
+          np.concatenate([v.ravel() for _, v in take])), rest
 
 
 def _check_composition(tx, with_params=True, around=_Around()):
@@ -315,13 +342,15 @@ def _check_composition(tx, with_params=True, around=_Around()):
   params = {'table': jnp.asarray(table), 'w': jnp.ones((3,))}
   state = tx.init(params)
   step = _donated_step(tx, with_params, around)
-  ids, values = next(_batches(1))
+  batches = [(np.asarray(i), np.asarray(v)) for i, v in _batches(4)]
+  ids, values = batches[0]
   grads = {'table': around.build(ids, values), 'w': jnp.zeros((3,))}
   grads = around.grads(grads)
   choice = lazy_optax.explain_update(tx, grads, state,
                                      params if with_params else None)
   choice = choice['table']
-  hlo = step.lower(params, state, ids, values.ravel()).compile().as_text()
+  args, _ = _step_args(around, batches)
+  hlo = step.lower(params, state, *args).compile().as_text()
   assert (ADAM_KERNEL in hlo) == (choice.impl == 'cpu_kernel'), (
       choice, _targets(hlo))
   if _table_copies(hlo):
@@ -329,16 +358,16 @@ def _check_composition(tx, with_params=True, around=_Around()):
     # inside apply_if_finite's lax.cond, whose other branch keeps them.
     with pytest.warns(UserWarning, match='inside a lax.cond branch'):
       assert not lazy_optax.perf.warn_if_not_donated(
-          step, params, state, ids, values.ravel())
+          step, params, state, *args)
     return choice, True
   with warnings.catch_warnings():
     warnings.simplefilter('error')
-    assert lazy_optax.perf.warn_if_not_donated(step, params, state, ids,
-                                               values.ravel())
+    assert lazy_optax.perf.warn_if_not_donated(step, params, state, *args)
   ref = TFLazyAdam(table, lr=LR, eps=around.eps)
-  batches = [(np.asarray(i), np.asarray(v)) for i, v in _batches(4)]
-  for ids, values in batches:
-    params, state = step(params, state, ids, values.ravel())
+  left = batches
+  while left:
+    args, left = _step_args(around, left)
+    params, state = step(params, state, *args)
   for ids, values in around.batches(batches):
     ref.step(ids, values)
   np.testing.assert_allclose(params['table'], ref.p, rtol=2e-5, atol=1e-6)
