@@ -12,6 +12,8 @@ written).
 `SparseRows` whose values autodiff already summed across devices (the
 gradient of a replicated input) while its ids stayed per device is refused
 at trace time. The data-parallel snippet of docs/semantics.md runs as it is.
+`explain_update`, asked inside the `shard_map` step, names what the
+compiled program runs, and the donated step copies no table.
 """
 
 import os
@@ -110,6 +112,8 @@ def main():
     assert any('changed by arithmetic' in str(w.message) for w in caught), (
         raw, [str(w.message) for w in caught])
   reduced_values_are_refused(mesh, params, ids_split)
+  explain_update_tells_what_the_sharded_step_runs(mesh, params, ids_split,
+                                                  targets_split)
   docs_snippet_runs()
   print('data parallel checks passed')
 
@@ -159,6 +163,42 @@ def reduced_values_are_refused(mesh, params, ids_split):
     assert 'lazy_optax.value_and_grad' in str(e), e
   else:
     raise AssertionError('reduced values were not refused')
+
+
+def explain_update_tells_what_the_sharded_step_runs(mesh, params, ids_split,
+                                                    targets_split):
+  """`explain_update` inside the step, where `lazy(...)` decides: the
+  compiled program calls the rule's kernel exactly when it says
+  'cpu_kernel', and the donated step copies no table."""
+  from lazy_optax._src import train_step  # pylint: disable=g-import-not-at-top
+  tx = lazy_optax.lazy_adam(0.05)
+  said = []
+
+  def local(params, state, ids, targets):
+    _, grads = lazy_optax.value_and_grad(loss_fn)(params, ids, targets)
+    grads = lazy_optax.tree.pmean(grads, 'batch')
+    said.append(lazy_optax.explain_update(tx, grads, state, params)['t'])
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  step = jax.jit(jax.shard_map(
+      local, mesh=mesh, in_specs=(P(), P(), P('batch'), P('batch')),
+      out_specs=(P(), P())), donate_argnums=(0, 1))
+  state = tx.init(params)
+  hlo = step.lower(params, state, ids_split, targets_split).compile(
+      ).as_text()
+  assert said, 'explain_update was not traced'
+  calls = 'lazy_optax_LazyOptaxAdam' in hlo
+  assert calls == (said[-1].impl == 'cpu_kernel'), (said[-1], calls)
+  # The test's table is small: let warn_if_not_donated look at it.
+  old, train_step.COPY_WARN_BYTES = train_step.COPY_WARN_BYTES, 1
+  try:
+    with warnings.catch_warnings():
+      warnings.simplefilter('error')
+      assert lazy_optax.perf.warn_if_not_donated(step, params, state,
+                                                 ids_split, targets_split)
+  finally:
+    train_step.COPY_WARN_BYTES = old
 
 
 def docs_snippet_runs():

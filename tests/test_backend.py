@@ -10,7 +10,9 @@
 """
 
 import functools
+import operator
 import re
+from typing import Any, Callable, NamedTuple, Optional
 import warnings
 
 import jax
@@ -193,31 +195,162 @@ COMPOSITIONS = {
 }
 
 
-def _donated_step(tx, with_params=True):
+class _Around(NamedTuple):
+  """What a composition does around the optimizer: to the gradient tree
+  before `tx.update` (traced), and the same to the batches of the float64
+  rule."""
+  grads: Callable[[Any], Any] = lambda g: g
+  build: Callable[..., Any] = lambda ids, values: lazy_optax.SparseRows(
+      ids, values, NUM_ROWS)    # the table's gradient from the batch
+  batches: Callable[[list], list] = lambda b: b
+  needs: Optional[str] = None     # an optional extra the composition uses
+  # The smallest copy warn_if_not_donated reports (the test's tables are
+  # small: by default it looks at every 2-D argument).
+  copy_bytes: int = 1
+  eps: float = 1e-8               # the rule's epsilon
+  apply: Callable[[Any, Any], Any] = lazy_optax.apply_updates
+  scan: int = 0                   # batches per call, in a lax.scan
+
+
+def _halves(ids, values):
+  """The batch as two microbatches' gradients (ids repeat across them)."""
+  half = ids.shape[0] // 2
+  return (lazy_optax.SparseRows(ids[:half], values[:half], NUM_ROWS),
+          lazy_optax.SparseRows(ids[half:], values[half:], NUM_ROWS))
+
+
+def _tree_add_halves(ids, values):
+  first, second = _halves(ids, values)
+  return lazy_optax.tree.add({'t': first}, {'t': second})['t']
+
+
+def _normalized(batches, eps=1e-6):
+  """normalize_by_update_norm on the float64 rule's batches: the norm of
+  the duplicate-summed rows (the dense leaf's gradient is zero)."""
+  out = []
+  for ids, values in batches:
+    dense = np.zeros((NUM_ROWS, D))
+    np.add.at(dense, ids, np.asarray(values, np.float64))
+    out.append((ids, values / (np.sqrt(np.sum(dense ** 2)) + eps)))
+  return out
+
+
+def _jmp_unscale(grads):
+  import jmp  # an optional extra: the case is skipped without it
+  return jmp.DynamicLossScale(jnp.float32(2.0 ** 10)).unscale(grads)
+
+
+def _scaled(s):
+  return lambda batches: [(i, v * s) for i, v in batches]
+
+
+def _every_second_mean(batches):
+  """multi_steps(every_k=2): the rule runs on the mean of two batches."""
+  return [(np.concatenate([a[0], b[0]]), np.concatenate([a[1], b[1]]) / 2)
+          for a, b in zip(batches[::2], batches[1::2])]
+
+
+# Compositions that act on the gradient tree outside the optimizer, or run
+# the step around it (docs/semantics.md's "equal" group). With an epsilon
+# this large the rule is not invariant to the gradient's scale: a scaling
+# done wrong shows in the parameters.
+EPS = 1e-3
+AROUND = {
+    'chain(normalize_by_update_norm, lazy_adam)': (
+        lambda: optax.chain(optax.normalize_by_update_norm(),
+                            lazy_optax.lazy_adam(LR, eps=EPS)),
+        _Around(eps=EPS, batches=_normalized)),
+    'jmp unscale, lazy_adam': (
+        lambda: lazy_optax.lazy_adam(LR, eps=EPS),
+        _Around(eps=EPS, grads=_jmp_unscale, batches=_scaled(2.0 ** -10),
+                needs='jmp')),
+    'jax.tree.map(g * s), lazy_adam': (
+        lambda: lazy_optax.lazy_adam(LR, eps=EPS),
+        _Around(eps=EPS, batches=_scaled(0.5),
+                grads=lambda g: jax.tree.map(lambda x: x * 0.5, g))),
+    'lazy_optax.tree.scale, lazy_adam': (
+        lambda: lazy_optax.lazy_adam(LR, eps=EPS),
+        _Around(eps=EPS, grads=lambda g: lazy_optax.tree.scale(g, 0.25),
+                batches=_scaled(0.25))),
+    'g1 + g2, lazy_adam': (
+        lambda: lazy_optax.lazy_adam(LR, eps=EPS),
+        _Around(eps=EPS, build=lambda i, v: operator.add(*_halves(i, v)))),
+    'lazy_optax.tree.add, lazy_adam': (
+        lambda: lazy_optax.lazy_adam(LR, eps=EPS),
+        _Around(eps=EPS, build=_tree_add_halves)),
+    # explain_update reports the last of several rules on a table: here
+    # the one with a kernel.
+    'chain(lazy(clip), lazy_adam)': (
+        lambda: optax.chain(lazy_optax.lazy(optax.clip(1e6)),
+                            lazy_optax.lazy_adam(LR, eps=EPS)),
+        _Around(eps=EPS)),
+    'lax.scan of 2 steps, lazy_adam': (
+        lambda: lazy_optax.lazy_adam(LR, eps=EPS),
+        _Around(eps=EPS, scan=2)),
+    'lazy_adam, optax.apply_updates': (
+        lambda: lazy_optax.lazy_adam(LR, eps=EPS),
+        _Around(eps=EPS, apply=optax.apply_updates)),
+    # Its k x B buffer of rows is copied each step (O(batch)): the check is
+    # on table-sized copies.
+    'multi_steps(lazy_adam, every_k=2)': (
+        lambda: lazy_optax.wrappers.multi_steps(
+            lazy_optax.lazy_adam(LR, eps=EPS), every_k=2,
+            ids_per_step={'table': N}),
+        _Around(eps=EPS, batches=_every_second_mean,
+                copy_bytes=NUM_ROWS * D * 4)),
+}
+
+# Every composition, and what it does around the optimizer.
+CASES = {**{name: (make, _Around()) for name, make in COMPOSITIONS.items()},
+         **AROUND}
+
+
+def _donated_step(tx, with_params=True, around=_Around()):
   # The values come flat: warn_if_not_donated looks at every 2-D argument.
-  @functools.partial(jax.jit, donate_argnums=(0, 1))
-  def step(params, state, ids, flat_values):
+  def body(params, state, ids, flat_values):
     values = flat_values.reshape(ids.shape[0], D)
-    grads = {'table': lazy_optax.SparseRows(ids, values, NUM_ROWS),
-             'w': jnp.zeros_like(params['w'])}
+    grads = around.grads({'table': around.build(ids, values),
+                          'w': jnp.zeros_like(params['w'])})
     updates, state = tx.update(grads, state,
                                params if with_params else None)
-    return lazy_optax.apply_updates(params, updates), state
-  return step
+    return around.apply(params, updates), state
+
+  if around.scan:
+    plain = body
+
+    def body(params, state, ids, flat_values):
+      def one(carry, batch):
+        return plain(*carry, *batch), None
+      values = flat_values.reshape(ids.shape[0], -1)
+      return jax.lax.scan(one, (params, state), (ids, values))[0]
+
+  return jax.jit(body, donate_argnums=(0, 1))
 
 
-def _check_composition(tx, with_params=True):
+def _step_args(around, batches):
+  """The step's arguments for its first batches, and the batches left."""
+  if not around.scan:
+    (ids, values), *rest = batches
+    return (ids, values.ravel()), rest
+  take, rest = batches[:around.scan], batches[around.scan:]
+  return (np.stack([i for i, _ in take]),
+          np.concatenate([v.ravel() for _, v in take])), rest
+
+
+def _check_composition(tx, with_params=True, around=_Around()):
   table = _table()
   params = {'table': jnp.asarray(table), 'w': jnp.ones((3,))}
   state = tx.init(params)
-  step = _donated_step(tx, with_params)
-  ids, values = next(_batches(1))
-  grads = {'table': lazy_optax.SparseRows(ids, values, NUM_ROWS),
-           'w': jnp.zeros((3,))}
+  step = _donated_step(tx, with_params, around)
+  batches = [(np.asarray(i), np.asarray(v)) for i, v in _batches(4)]
+  ids, values = batches[0]
+  grads = {'table': around.build(ids, values), 'w': jnp.zeros((3,))}
+  grads = around.grads(grads)
   choice = lazy_optax.explain_update(tx, grads, state,
                                      params if with_params else None)
   choice = choice['table']
-  hlo = step.lower(params, state, ids, values.ravel()).compile().as_text()
+  args, _ = _step_args(around, batches)
+  hlo = step.lower(params, state, *args).compile().as_text()
   assert (ADAM_KERNEL in hlo) == (choice.impl == 'cpu_kernel'), (
       choice, _targets(hlo))
   if _table_copies(hlo):
@@ -225,23 +358,27 @@ def _check_composition(tx, with_params=True):
     # inside apply_if_finite's lax.cond, whose other branch keeps them.
     with pytest.warns(UserWarning, match='inside a lax.cond branch'):
       assert not lazy_optax.perf.warn_if_not_donated(
-          step, params, state, ids, values.ravel())
+          step, params, state, *args)
     return choice, True
   with warnings.catch_warnings():
     warnings.simplefilter('error')
-    assert lazy_optax.perf.warn_if_not_donated(step, params, state, ids,
-                                               values.ravel())
-  ref = TFLazyAdam(table, lr=LR)
-  for ids, values in _batches(3):
-    params, state = step(params, state, ids, values.ravel())
-    ref.step(np.asarray(ids), np.asarray(values))
+    assert lazy_optax.perf.warn_if_not_donated(step, params, state, *args)
+  ref = TFLazyAdam(table, lr=LR, eps=around.eps)
+  left = batches
+  while left:
+    args, left = _step_args(around, left)
+    params, state = step(params, state, *args)
+  for ids, values in around.batches(batches):
+    ref.step(ids, values)
   np.testing.assert_allclose(params['table'], ref.p, rtol=2e-5, atol=1e-6)
   return choice, False
 
 
 # XLA's scatter into a table inside a lax.cond branch copies it (the other
 # branch keeps the old table); the kernel's aliased call does not.
-_COPIES_IN_A_COND = {('apply_if_finite(chain(clip, lazy_adam))', 'hidden')}
+# multi_steps updates every k-th step inside a lax.cond.
+_COPIES_IN_A_COND = {('apply_if_finite(chain(clip, lazy_adam))', 'hidden'),
+                     ('multi_steps(lazy_adam, every_k=2)', 'hidden')}
 
 
 # _check_composition's result for each composition with the kernels present,
@@ -252,24 +389,28 @@ _CHECKED_WITH_KERNELS = {}
 
 def _checked_with_kernels(name, monkeypatch):
   if name not in _CHECKED_WITH_KERNELS:
+    make, around = CASES[name]
     # The test's tables are small: let warn_if_not_donated look at them.
-    monkeypatch.setattr(train_step, 'COPY_WARN_BYTES', 1)
-    _CHECKED_WITH_KERNELS[name] = _check_composition(COMPOSITIONS[name]())
+    monkeypatch.setattr(train_step, 'COPY_WARN_BYTES', around.copy_bytes)
+    _CHECKED_WITH_KERNELS[name] = _check_composition(make(), around=around)
   return _CHECKED_WITH_KERNELS[name]
 
 
 @pytest.mark.parametrize('kernels', ['present', 'hidden'])
-@pytest.mark.parametrize('name', sorted(COMPOSITIONS))
+@pytest.mark.parametrize('name', sorted(CASES))
 def test_explain_update_tells_what_the_compiled_step_runs(name, kernels,
                                                           monkeypatch):
   assert lazy_optax.kernel_status()['cpu_kernel'].available
+  make, around = CASES[name]
+  if around.needs:
+    pytest.importorskip(around.needs)
   if kernels == 'present':
     choice, copies = _checked_with_kernels(name, monkeypatch)
   else:
     monkeypatch.setattr(cpu_kernels, 'loaded', lambda: False)
     # The test's tables are small: let warn_if_not_donated look at them.
-    monkeypatch.setattr(train_step, 'COPY_WARN_BYTES', 1)
-    choice, copies = _check_composition(COMPOSITIONS[name]())
+    monkeypatch.setattr(train_step, 'COPY_WARN_BYTES', around.copy_bytes)
+    choice, copies = _check_composition(make(), around=around)
   assert copies == ((name, kernels) in _COPIES_IN_A_COND), choice
   if kernels == 'hidden':
     assert choice.impl != 'cpu_kernel', choice

@@ -1,6 +1,7 @@
 """The documented train steps lower for GPU and TPU, on this CPU-only machine.
 
-Every optimizer's step (the plain-JAX step of docs/train_steps.md), a hashed
+Every optimizer's step (the plain-JAX step of docs/train_steps.md; all but
+`lazy_adam_cowclip`'s, see `_cowclip_step`), a hashed
 step (docs/hashed_ids.md: `IdTable.assign` + `reset_rows` + `lookup` +
 update) and a bag step (`lookup_bag`) is exported with
 `jax.export.export(jax.jit(step), platforms=['cuda', 'tpu'])`: the StableHLO a
@@ -240,6 +241,30 @@ def _plain_step(tx):
   return train_step, args
 
 
+def _cowclip_step():
+  """docs/optimizers.md's CowClip step: the batch's counts beside the
+  gradient, through optax's extra arguments.
+
+  Not in STEPS: the check that the counts name the gradient's ids is a host
+  callback in a `lax.cond` branch, and jax 0.10 refuses to lower it for
+  `cuda` or `tpu` on a CPU-only host ("the platform for the specified
+  backend cpu is different from the lowering platform cuda"). Add it to
+  STEPS once that lowers (or the check lowers without a host callback)."""
+  tx = lazy_optax.lazy_adam_cowclip(0.05)
+
+  def train_step(params, opt_state, ids, y):
+    def loss_fn(p):
+      return jnp.mean((lazy_optax.lookup(p['table'], ids) @ p['w'] - y) ** 2)
+    loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
+    counts = {'table': lazy_optax.id_counts(ids, NUM_ROWS), 'w': None}
+    updates, opt_state = tx.update(grads, opt_state, params, counts=counts)
+    return lazy_optax.apply_updates(params, updates), opt_state, loss
+  params = _params()
+  args = (params, tx.init(params), jnp.zeros(BATCH, jnp.int32),
+          jnp.zeros(BATCH, jnp.float32))
+  return train_step, args
+
+
 def _bag_step():
   """A multi-hot feature: `lookup_bag` with lengths, mean pooling."""
   tx = lazy_optax.lazy_adam(0.05)
@@ -293,6 +318,16 @@ STEPS: dict[str, Callable[[], tuple[Callable[..., Any], tuple]]] = {
     'partial_rowwise_adam': lambda: _plain_step(
         lazy_optax.partial_rowwise_adam(0.05)),
     'ftrl': lambda: _plain_step(lazy_optax.ftrl(0.1, l1=0.01)),
+    'rowwise_adagrad_with_counter (adagradw)': lambda: _plain_step(
+        lazy_optax.rowwise_adagrad_with_counter(
+            0.1, weight_decay=0.01, counter_weight_decay_mode='adagradw')),
+    'rowwise_rmsprop_ar': lambda: _plain_step(
+        lazy_optax.rowwise_rmsprop_ar(0.1, ar_alpha=0.01)),
+
+    'rowwise_adagrad + row_max_norm': lambda: _plain_step(lazy_optax.lazy(
+        optax.chain(lazy_optax.scale_by_rowwise_adagrad(),
+                    optax.scale_by_learning_rate(0.1),
+                    lazy_optax.row_max_norm(1.0)))),
     'lazy(optax.adam)': lambda: _plain_step(lazy_optax.lazy(optax.adam(0.05))),
     'hashed step (lazy_adam)': _hashed_step,
     # Past 256 ids the CPU resets fresh rows in chunks; the eviction of

@@ -257,3 +257,94 @@ def test_a_code_encoded_in_a_trace_is_not_kept():
   jax.jit(lambda c: c * 2, donate_argnums=0)(code)
   np.testing.assert_array_equal(jax.tree.leaves(g)[0],
                                 jax.jit(id_code.encode)(g.ids))
+
+
+# -- duplicates summed where a gradient is built ------------------------------
+
+_V, _D = 7, 3
+_PADDING = 2
+# Repeated ids, ids outside [0, _V) (negative, _V itself, beyond), and the
+# padding id of the lookups below.
+_BATCH = np.array([3, -1, 9, 1, 3, _V, 2, 2, 0, 3, 12, 1, 5, 3], np.int32)
+_IN_RANGE = np.array([3, 1, 2, 3, 6, 0, 3, 2, 1, 5, 0, 0], np.int32)
+
+
+def _segment_sum(ids, values, skip=()):
+  """float64 NumPy reference: the table-shaped sum of the rows of `values`
+  whose ids lie in [0, _V) (and are not in `skip`), and those ids."""
+  named = (ids >= 0) & (ids < _V) & ~np.isin(ids, skip)
+  dense = np.zeros((_V, _D), np.float64)
+  np.add.at(dense, ids[named], values[named].astype(np.float64))
+  return dense, np.unique(ids[named])
+
+
+def _check_summed(g, dense, distinct):
+  """`g` names each in-range id once, with the reference's summed row, and
+  its other slots write no row."""
+  assert isinstance(g, SparseRows) and g.num_rows == _V
+  g_ids, g_values = np.asarray(g.ids), np.asarray(g.values)
+  named = (g_ids >= 0) & (g_ids < _V)
+  np.testing.assert_array_equal(np.sort(g_ids[named]), distinct)
+  np.testing.assert_allclose(g_values[named], dense[g_ids[named]],
+                             rtol=1e-6, atol=1e-6)
+  table = np.random.default_rng(9).normal(size=(_V, _D)).astype(np.float32)
+  np.testing.assert_allclose(jax.jit(lambda t, g: t + g)(table, g),
+                             table + dense, rtol=1e-6, atol=1e-6)
+
+
+def _rows(n, seed):
+  return np.random.default_rng(seed).normal(size=(n, _D)).astype(np.float32)
+
+
+@pytest.mark.parametrize('jit', [False, True])
+def test_sparse_rows_sums_duplicates_when_built(jit):
+  # Eagerly an out-of-range id is a ValueError (test_type_and_shape_errors'
+  # neighbours): the eager batch holds in-range ids only.
+  ids = _BATCH if jit else _IN_RANGE
+  values = _rows(ids.size, 0)
+  build = lambda i, v: SparseRows(i, v, _V)
+  g = (jax.jit(build) if jit else build)(jnp.asarray(ids), jnp.asarray(values))
+  assert g.ids.shape == (ids.size,)
+  _check_summed(g, *_segment_sum(ids, values))
+
+
+@pytest.mark.parametrize('form', ['concatenate', 'plus'])
+def test_concatenate_sums_duplicates_across_parts(form):
+  # Ids repeated within each part and across the parts, ids outside the
+  # table in each; the parts are built under jit (eagerly those are errors).
+  parts_ids = [_BATCH[:8], _BATCH[8:], _IN_RANGE]
+  parts_values = [_rows(i.size, s) for s, i in enumerate(parts_ids, 1)]
+
+  @jax.jit
+  def combine(ids, values):
+    parts = [SparseRows(i, v, _V) for i, v in zip(ids, values)]
+    if form == 'concatenate':
+      return SparseRows.concatenate(parts)
+    return parts[0] + parts[1] + parts[2]
+
+  g = combine(parts_ids, parts_values)
+  assert g.ids.shape == (sum(i.size for i in parts_ids),)
+  _check_summed(g, *_segment_sum(np.concatenate(parts_ids),
+                                 np.concatenate(parts_values)))
+
+
+@pytest.mark.parametrize('jit', [False, True])
+def test_value_and_grad_sums_duplicates_once_per_id(jit):
+  # loss = sum(rows * W) + sum(rows**2) / 2: a looked-up slot's gradient is
+  # W[b] + table[id_b]; a padding slot, or an id outside the table, none.
+  ids = _BATCH if jit else _IN_RANGE
+  table = np.random.default_rng(5).normal(size=(_V, _D)).astype(np.float32)
+  weights = _rows(ids.size, 6)
+
+  def loss(params, ids):
+    rows = lazy_optax.lookup(params['table'], ids, padding_id=_PADDING)
+    return jnp.sum(rows * weights) + 0.5 * jnp.sum(rows ** 2)
+
+  f = lazy_optax.value_and_grad(loss)
+  if jit:
+    f = jax.jit(f)
+  _, grads = f({'table': jnp.asarray(table)}, jnp.asarray(ids))
+  named = (ids >= 0) & (ids < _V)
+  per_slot = weights.astype(np.float64)
+  per_slot[named] += table[ids[named]]
+  _check_summed(grads['table'], *_segment_sum(ids, per_slot, skip=[_PADDING]))
