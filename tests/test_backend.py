@@ -17,6 +17,7 @@ import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 import pytest
@@ -210,6 +211,7 @@ class _Around(NamedTuple):
   eps: float = 1e-8               # the rule's epsilon
   apply: Callable[[Any, Any], Any] = lazy_optax.apply_updates
   scan: int = 0                   # batches per call, in a lax.scan
+  shard_map: bool = False         # the step on a one-device mesh 'batch'
 
 
 def _halves(ids, values):
@@ -290,6 +292,10 @@ AROUND = {
     'lazy_adam, optax.apply_updates': (
         lambda: lazy_optax.lazy_adam(LR, eps=EPS),
         _Around(eps=EPS, apply=optax.apply_updates)),
+    'shard_map + tree.psum, lazy_adam': (
+        lambda: lazy_optax.lazy_adam(LR, eps=EPS),
+        _Around(eps=EPS, grads=lambda g: lazy_optax.tree.psum(g, 'batch'),
+                shard_map=True)),
     # Its k x B buffer of rows is copied each step (O(batch)): the check is
     # on table-sized copies.
     'multi_steps(lazy_adam, every_k=2)': (
@@ -324,6 +330,11 @@ def _donated_step(tx, with_params=True, around=_Around()):
       values = flat_values.reshape(ids.shape[0], -1)
       return jax.lax.scan(one, (params, state), (ids, values))[0]
 
+  if around.shard_map:
+    mesh = jax.sharding.Mesh(jax.devices()[:1], ('batch',))
+    body = jax.shard_map(body, mesh=mesh,
+                         in_specs=(P(), P(), P('batch'), P('batch')),
+                         out_specs=(P(), P()))
   return jax.jit(body, donate_argnums=(0, 1))
 
 
@@ -337,6 +348,29 @@ def _step_args(around, batches):
           np.concatenate([v.ravel() for _, v in take])), rest
 
 
+def _explained_in_shard_map(tx, params, state, ids, values, around,
+                            with_params):
+  """`explain_update` asked where `lazy(...)` decides: inside the
+  `shard_map` body (outside it, the arrays say nothing of the mesh)."""
+  said = []
+
+  def body(params, state, ids, flat_values):
+    values = flat_values.reshape(ids.shape[0], -1)
+    grads = around.grads({'table': around.build(ids, values),
+                          'w': jnp.zeros((3,))})
+    said.append(lazy_optax.explain_update(
+        tx, grads, state, params if with_params else None)['table'])
+    return params
+
+  mesh = jax.sharding.Mesh(jax.devices()[:1], ('batch',))
+  jax.jit(jax.shard_map(body, mesh=mesh,
+                        in_specs=(P(), P(), P('batch'), P('batch')),
+                        out_specs=P())).lower(params, state, ids,
+                                              values.ravel())
+  assert len(said) == 1, said
+  return said[0]
+
+
 def _check_composition(tx, with_params=True, around=_Around()):
   table = _table()
   params = {'table': jnp.asarray(table), 'w': jnp.ones((3,))}
@@ -344,11 +378,15 @@ def _check_composition(tx, with_params=True, around=_Around()):
   step = _donated_step(tx, with_params, around)
   batches = [(np.asarray(i), np.asarray(v)) for i, v in _batches(4)]
   ids, values = batches[0]
-  grads = {'table': around.build(ids, values), 'w': jnp.zeros((3,))}
-  grads = around.grads(grads)
-  choice = lazy_optax.explain_update(tx, grads, state,
-                                     params if with_params else None)
-  choice = choice['table']
+  if around.shard_map:
+    choice = _explained_in_shard_map(tx, params, state, ids, values, around,
+                                     with_params)
+  else:
+    grads = around.grads({'table': around.build(ids, values),
+                          'w': jnp.zeros((3,))})
+    choice = lazy_optax.explain_update(tx, grads, state,
+                                       params if with_params else None)
+    choice = choice['table']
   args, _ = _step_args(around, batches)
   hlo = step.lower(params, state, *args).compile().as_text()
   assert (ADAM_KERNEL in hlo) == (choice.impl == 'cpu_kernel'), (

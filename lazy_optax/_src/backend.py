@@ -91,6 +91,9 @@ def placement_refusal(table: Any, where: Placement) -> str:
   if where.kind == 'auto':
     return ('the table lives on several devices with Auto axes, whose row '
             'split a trace cannot see (use Explicit axes)')
+  if where.kind == 'manual':
+    return ('the step runs inside jax.shard_map, whose per-device typing '
+            '(manual axes) a C++ call does not carry')
   if where.split_within_rows:
     return 'the table is split within its rows (only row splits run per shard)'
   if where.kind == 'explicit' and where.row_axes:

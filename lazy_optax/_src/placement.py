@@ -10,7 +10,10 @@ array's type (`jax.typeof(x).sharding`) tells:
 - a mesh with Explicit axes: the partition spec says whether the rows are
   split, and over which axes;
 - a mesh of several devices with Auto axes: the rows may be split, but the
-  type does not say how (XLA's partitioner decides later).
+  type does not say how (XLA's partitioner decides later);
+- a mesh with Manual axes: the trace is a `jax.shard_map` body, whose
+  values are each device's own (typed as varying over the manual axes or
+  not, which a C++ call's results do not carry).
 
 A concrete array (an eager call) says the same through its `sharding`.
 """
@@ -26,8 +29,9 @@ class Placement(NamedTuple):
   """Where a table lives.
 
   kind: `'one'` (one device), `'explicit'` (a mesh with Explicit axes; the
-    rows split over `row_axes`, or replicated when that is empty) or
-    `'auto'` (several devices, split unknown at trace time).
+    rows split over `row_axes`, or replicated when that is empty),
+    `'auto'` (several devices, split unknown at trace time) or `'manual'`
+    (inside `jax.shard_map`: each device's own values).
   platform: `'cpu'`, `'gpu'`, ... when known, else None (decided at
     lowering).
   mesh: the (abstract) mesh for `'explicit'`, else None.
@@ -66,6 +70,9 @@ def placement(x: Any) -> Placement:
   except (TypeError, AttributeError):
     return Placement('auto')
   mesh = getattr(sharding, 'mesh', None)
+  if mesh is not None and jax.sharding.AxisType.Manual in tuple(
+      getattr(mesh, 'axis_types', ())):
+    return Placement('manual', _platform(mesh), mesh)
   if mesh is None or mesh.empty or mesh.size == 1:
     return Placement('one', _platform(mesh) if mesh is not None else None)
   if getattr(mesh, 'explicit_axes', ()):
