@@ -284,6 +284,108 @@ def test_multi_steps_moves_only_rows_of_the_window():
   assert moved == touched
 
 
+_MULTI_STEPS_RULES = {
+    'lazy_adam': lambda: lazy_optax.lazy_adam(0.1, impl='xla'),
+    'lazy(optax.adam)': lambda: lazy_optax.lazy(optax.adam(0.1), impl='xla'),
+    'adam_with_counter': lambda: lazy_optax.adam_with_counter(
+        0.1, weight_decay=0.3, decay_skipped_steps=True, impl='xla'),
+    'rowwise_adagrad': lambda: lazy_optax.rowwise_adagrad(0.1, impl='xla'),
+    'ftrl': lambda: lazy_optax.ftrl(0.1, impl='xla'),
+    'chain(clip_by_global_norm, lazy_adam)': lambda: optax.chain(
+        optax.clip_by_global_norm(0.5), lazy_optax.lazy_adam(0.1, impl='xla')),
+}
+
+
+@pytest.mark.parametrize('name', sorted(_MULTI_STEPS_RULES))
+def test_multi_steps_on_xla_path_is_the_rule_once_a_window(name):
+  """XLA's path runs the rule at every step, branch-free: the steps that do
+  not end a window leave the parameters and the rule's state (its count
+  included) exactly as they were, and the one that does equals the rule,
+  run on its own, on the window's mean gradient."""
+  k, n = 3, 7
+  tx = lazy_optax.wrappers.multi_steps(_MULTI_STEPS_RULES[name](), k,
+                                       ids_per_step={'t': n})
+  rule = _MULTI_STEPS_RULES[name]()
+  params = {'t': _table(), 'w': jnp.arange(4.0)}
+  ref_params, state, ref_state = params, tx.init(params), rule.init(params)
+
+  @jax.jit
+  def step(params, state, ids, values, w):
+    updates, state = tx.update({'t': SparseRows(ids, values, V), 'w': w},
+                               state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  @jax.jit
+  def rule_step(params, state, ids, values, w):
+    updates, state = rule.update({'t': SparseRows(ids, values, V), 'w': w},
+                                 state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  batches = _batches(steps=2 * k, n=n, seed=3)
+  rng = np.random.default_rng(4)
+  dense = [rng.normal(size=(4,)).astype(np.float32) for _ in batches]
+  for i, ((ids, values), w) in enumerate(zip(batches, dense)):
+    old = (params, state.inner_state)
+    new, state = step(params, state, ids, values, w)
+    if i % k != k - 1:
+      for a, b in zip(jax.tree.leaves(old),
+                      jax.tree.leaves((new, state.inner_state))):
+        np.testing.assert_array_equal(a, b)
+    else:
+      window = range(i - k + 1, i + 1)
+      ref_params, ref_state = rule_step(
+          ref_params, ref_state,
+          np.concatenate([batches[j][0] for j in window]),
+          np.concatenate([batches[j][1] for j in window]) / k,
+          sum(dense[j] for j in window) / k)
+      for a, b in zip(jax.tree.leaves((ref_params, ref_state)),
+                      jax.tree.leaves((new, state.inner_state))):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    params = new
+  assert int(state.gradient_step) == 2
+
+
+def _dense_trace(decay):
+  """A transformation that is not lazy: it densifies a table's gradient and
+  keeps a dense trace of it, which decays at every update."""
+  def init(params):
+    return jax.tree.map(jnp.zeros_like, params)
+
+  def update(grads, trace, params=None):
+    del params
+    dense = jax.tree.map(
+        lambda g: g.to_dense() if isinstance(g, SparseRows) else g, grads,
+        is_leaf=lazy_optax.tree.is_sparse_rows)
+    trace = jax.tree.map(lambda t, g: decay * t + g, trace, dense)
+    return jax.tree.map(lambda t: -t, trace), trace
+
+  return optax.GradientTransformation(init, update)
+
+
+def test_multi_steps_keeps_a_dense_state_of_a_table_between_windows():
+  """A rule whose state of a table is dense (not lazy) would decay it at
+  every step if run branch-free: multi_steps skips it on the steps that do
+  not end a window, and the trace is that of the window means."""
+  k, n, decay = 2, 7, 0.5
+  tx = lazy_optax.wrappers.multi_steps(_dense_trace(decay), k,
+                                       ids_per_step={'t': n})
+  params = {'t': _table()}
+  state = tx.init(params)
+  step = jax.jit(tx.update)
+  batches = _batches(steps=3 * k, n=n, seed=5)
+  trace = np.zeros((V, D))
+  for i, (ids, values) in enumerate(batches):
+    updates, state = step({'t': SparseRows(ids, values, V)}, state, params)
+    if i % k == k - 1:
+      mean = np.zeros((V, D))
+      for j in range(i - k + 1, i + 1):
+        np.add.at(mean, np.asarray(batches[j][0]),
+                  np.asarray(batches[j][1], np.float64))
+      trace = decay * trace + mean / k
+    np.testing.assert_allclose(state.inner_state['t'], trace, rtol=1e-6,
+                               atol=1e-6)
+
+
 # -- group 3 (formerly "reported"): an error when the step runs -------------
 
 def _raw_reduce(reduce):

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+import itertools
+from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import branching
+from lazy_optax._src import row_context
 from lazy_optax._src.id_code import index_dtype
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import is_sparse_rows
@@ -172,6 +175,109 @@ def _accumulated_grads(acc: Any, updates: Any) -> Any:
       if isinstance(a, RowBuffer) else a, acc, updates, is_leaf=_is_leaf)
 
 
+def _params_like(acc: Any, updates: Any, rows: Mapping[int, int]) -> Any:
+  """Shape structs of the parameters, read from `acc` and the gradients.
+
+  A table's leading size is its gradient's `num_rows`, or `rows[i]` for
+  the `i`-th table (in tree order) where given.
+  """
+  tables = itertools.count()
+
+  def struct(a, g):
+    if a is None:
+      return None
+    if isinstance(a, RowBuffer):
+      i = next(tables)
+      return jax.ShapeDtypeStruct(
+          (rows.get(i, g.num_rows), *a.values.shape[1:]), a.values.dtype)
+    return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
+
+  return jax.tree.map(struct, acc, updates, is_leaf=_is_leaf)
+
+
+def _table_leaves(inner: optax.GradientTransformationExtraArgs, acc: Any,
+                  updates: Any, inner_state: Any
+                  ) -> Optional[tuple[list[bool], set[str]]]:
+  """Which leaves of `tx`'s state depend on a table's row count, and the
+  path names of the tables they belong to.
+
+  Found as `lazy(...)` finds the leaves that mirror a table
+  (`row_state.py`): `tx.init` evaluated abstractly for the real shapes and
+  again with every table given its own, otherwise unused row count.
+
+  Returns:
+    One flag per leaf of `inner_state`, and the tables' names; None where
+    a changed leaf names no table's probe size (a leaf that cannot be told
+    apart) or the state's tree is not `init`'s.
+  """
+  names = [path_name(path) for path, a in
+           jax.tree_util.tree_leaves_with_path(acc, is_leaf=_is_leaf)
+           if isinstance(a, RowBuffer)]
+  used = {int(g.num_rows) for g in jax.tree.leaves(updates,
+                                                   is_leaf=_is_leaf)
+          if isinstance(g, SparseRows)}
+  for leaf in jax.tree.leaves((inner_state, acc)):
+    used.update(int(d) for d in jnp.shape(leaf))
+  sizes: dict[int, int] = {}
+  size = 1_000_003
+  for i in range(len(names)):
+    while size in used:
+      size += 2
+    sizes[i] = size
+    size += 2
+  real, probe = jax.eval_shape(
+      lambda a, b: (inner.init(a), inner.init(b)),
+      _params_like(acc, updates, {}), _params_like(acc, updates, sizes))
+  real_leaves, real_def = jax.tree.flatten(real)
+  probe_leaves = jax.tree.leaves(probe)
+  defs: list[Any] = [real_def, jax.tree.structure(probe),
+                     jax.tree.structure(inner_state)]
+  if not defs[0] == defs[1] == defs[2]:
+    return None
+  flags, owners = [], set()
+  for r, q in zip(real_leaves, probe_leaves):
+    changed = tuple(r.shape) != tuple(q.shape)
+    if changed:
+      found = [names[i] for i, s in sizes.items() if s in q.shape]
+      if not found:
+        return None
+      owners.update(found)
+    flags.append(changed)
+  return flags, owners
+
+
+def _lazy_choices(inner: optax.GradientTransformationExtraArgs, acc: Any,
+                  updates: Any, inner_state: Any, params: Any,
+                  extra_args: Mapping[str, Any]
+                  ) -> dict[str, row_context.Choice]:
+  """What each `lazy(...)` inside `tx` chooses for its tables, by
+  parameter (traced abstractly, as `explain_update` does; never
+  reported)."""
+  log: list[row_context.Choice] = []
+  args = {k: v for k, v in extra_args.items() if k != row_context.ROWS_KEY}
+  args[row_context.ROWS_KEY] = row_context.RowContext(log=log)
+  jax.eval_shape(lambda: inner.update(_accumulated_grads(acc, updates),
+                                      inner_state, params, **args))
+  return {choice.parameter: choice for choice in log}
+
+
+def _select(emit: jax.Array, new: Any, old: Any) -> Any:
+  """`new` if `emit`, else `old` (key arrays through their data)."""
+  if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(
+        jnp.where(emit, jax.random.key_data(new), jax.random.key_data(old)),
+        impl=jax.random.key_impl(new))
+  return jnp.where(emit, new, old)
+
+
+def _zeros_of(x: Any) -> Any:
+  """Zeros shaped as `x` (a key array's data zeroed)."""
+  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+    return jax.random.wrap_key_data(
+        jnp.zeros_like(jax.random.key_data(x)), impl=jax.random.key_impl(x))
+  return jnp.zeros(x.shape, x.dtype)
+
+
 def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
                acc: Any, updates: Any, inner_state: Any, params: Any,
                extra_args: Mapping[str, Any]) -> tuple[Any, Any]:
@@ -179,17 +285,66 @@ def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
 
   `tx` updates with the accumulated gradients `acc`; `updates`, the step's
   gradients, give the tables' `num_rows`.
+
+  Skipping `tx` under a `lax.cond` costs a copy of every table-sized state
+  leaf that `tx` scatters into, on XLA's path: the branch that keeps the
+  old leaf and the one that writes into it cannot share its buffer. So
+  where every table-sized leaf of `tx`'s state belongs to a table that a
+  `lazy(...)` updates, `tx` runs at every step, branch-free:
+  on a step that does not emit, the tables' gradients hold no row (ids
+  `num_rows`, which `lazy` drops: no table-sized leaf is written), and the
+  other state leaves and the updates are selected with `where` (O(dense
+  parameters)). Where no table's rule takes XLA's path ('xla'), the CPU
+  keeps the `lax.cond` that skips the work, under which a rule's CPU
+  kernel (an aliased call) and `lazy`'s generic write-back copy nothing
+  (`branching.per_platform`: other platforms run branch-free). A
+  table-sized leaf that no `lazy` updates row by row keeps the `lax.cond`.
   """
   def do_update(_):
     grads = _accumulated_grads(acc, updates)
     return inner.update(grads, inner_state, params, **extra_args)
 
-  def skip(_):
-    shapes = jax.eval_shape(do_update, None)[0]
-    zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-    return zeros, inner_state
+  def skipping(emit):
+    def skip(_):
+      shapes = jax.eval_shape(do_update, None)[0]
+      zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+      return zeros, inner_state
+    return jax.lax.cond(emit, do_update, skip, None)
 
-  return jax.lax.cond(emit, do_update, skip, None)
+  found = _table_leaves(inner, acc, updates, inner_state)
+  if found is None:
+    return skipping(emit)
+  flags, owners = found
+  choices = _lazy_choices(inner, acc, updates, inner_state, params,
+                          extra_args)
+  if not owners <= set(choices):
+    return skipping(emit)
+
+  def branch_free(emit):
+    def no_rows(a, g):
+      if not isinstance(a, RowBuffer):
+        return a
+      return RowBuffer(
+          jnp.where(emit, a.ids, jnp.asarray(g.num_rows, a.ids.dtype)),
+          a.values)
+    masked = jax.tree.map(no_rows, acc, updates, is_leaf=_is_leaf)
+    new_updates, new_state = inner.update(
+        _accumulated_grads(masked, updates), inner_state, params,
+        **extra_args)
+    new_leaves, state_def = jax.tree.flatten(new_state)
+    kept = [n if table else _select(emit, n, o) for n, o, table in zip(
+        new_leaves, jax.tree.leaves(inner_state), flags)]
+    zeroed = jax.tree.map(lambda n: _select(emit, n, _zeros_of(n)),
+                          new_updates)
+    return zeroed, jax.tree.unflatten(state_def, kept)
+
+  # A rule's XLA update ('xla': its rows written, then read back) makes
+  # the lax.cond copy its tables. On the CPU, its kernel (an aliased call)
+  # and lazy's generic write-back copy nothing there: the CPU keeps the
+  # lax.cond, which skips the O(k x batch) work.
+  if any(c.impl == 'xla' for c in choices.values()):
+    return branch_free(emit)
+  return branching.per_platform(skipping, branch_free, emit)
 
 
 def _update(inner: optax.GradientTransformationExtraArgs, every_k: int,
