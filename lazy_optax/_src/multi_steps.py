@@ -334,8 +334,11 @@ def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
     new_leaves, state_def = jax.tree.flatten(new_state)
     kept = [n if table else _select(emit, n, o) for n, o, table in zip(
         new_leaves, jax.tree.leaves(inner_state), flags)]
-    zeroed = jax.tree.map(lambda n: _select(emit, n, _zeros_of(n)),
-                          new_updates)
+    # A table's row-sparse update names only rows of the masked gradient:
+    # none on a step that does not emit. Dense updates are zeroed.
+    zeroed = jax.tree.map(
+        lambda n: n if is_sparse_rows(n) else _select(emit, n, _zeros_of(n)),
+        new_updates, is_leaf=is_sparse_rows)
     return zeroed, jax.tree.unflatten(state_def, kept)
 
   # A rule's XLA update ('xla': its rows written, then read back) makes
