@@ -194,3 +194,17 @@ def rel_error(got: np.ndarray, want: np.ndarray) -> float:
   """The largest error relative to each entry of `want`."""
   return float((np.abs(got - want)
                 / np.maximum(np.abs(want), 1e-30)).max())
+
+
+def assert_table_and_accumulators_within(tables: np.ndarray,
+                                         accumulators: np.ndarray, data: Any,
+                                         bound: float) -> dict[str, float]:
+  """The tables (relative to each row's largest entry) and the row
+  accumulators (relative to each entry) within `bound` of FBGEMM's
+  (`data['tables']`, `data['accumulators']`); returns the errors."""
+  errors = table_errors(tables, data['tables'])
+  errors['acc_rel'] = rel_error(accumulators, data['accumulators'])
+  print(errors)
+  assert errors['table_rel_to_row'] < bound and errors['acc_rel'] < bound, (
+      errors)
+  return errors

@@ -111,12 +111,8 @@ def _compare(data, jit, impl='auto'):
       np.broadcast_to(data['table0'][never, :half],
                       tables[:, never, :half].shape))
   assert not accumulators[:, never].any()
-  errors = fbgemm_replay.table_errors(tables, data['tables'])
-  errors['acc_rel'] = fbgemm_replay.rel_error(accumulators,
-                                              data['accumulators'])
-  print(errors)
-  assert errors['table_rel_to_row'] < 2e-6 and errors['acc_rel'] < 2e-6, errors
-  return errors
+  return fbgemm_replay.assert_table_and_accumulators_within(
+      tables, accumulators, data, 2e-6)
 
 
 def test_fixture_is_a_hard_case():

@@ -72,12 +72,8 @@ def _compare(data, jit):
   # Rows never looked up stay bit for bit, in the table and in G.
   never = fbgemm_replay.assert_untouched(tables, data)
   assert not accumulators[:, never].any()
-  errors = fbgemm_replay.table_errors(tables, data['tables'])
-  errors['acc_rel'] = fbgemm_replay.rel_error(accumulators,
-                                              data['accumulators'])
-  print(errors)
-  assert errors['table_rel_to_row'] < 1e-6 and errors['acc_rel'] < 1e-6, errors
-  return errors
+  return fbgemm_replay.assert_table_and_accumulators_within(
+      tables, accumulators, data, 1e-6)
 
 
 def test_fixture_is_a_hard_case():

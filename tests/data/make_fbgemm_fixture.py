@@ -141,11 +141,11 @@ def ar_inputs(seed: int, rows: int, row: int, ids: int, steps: int) -> dict:
           'grads': np.stack(grad_steps)}
 
 
-def run_fbgemm_ar(data: dict, learning_rate: float, eps: float,
-                  ar_alpha: float, ema_beta: float,
-                  min_shrinkage: float) -> dict:
-  """FBGEMM's ROWWISE_RMSPROP_AR tables, `v` and `prev_iter` after each
-  step of `data`."""
+def _replay_tbe(data: dict, optimizer: str, read_states, **options) -> dict:
+  """FBGEMM's host table after each step of `data`, one CPU table trained
+  with `optimizer` (an `EmbOptimType` name) and `options`, and what
+  `read_states(states, rows)` reads of its optimizer states (a dict of
+  arrays) after each step."""
   # pylint: disable=g-import-not-at-top
   import fbgemm_gpu
   from fbgemm_gpu import split_embedding_configs as configs
@@ -156,25 +156,40 @@ def run_fbgemm_ar(data: dict, learning_rate: float, eps: float,
   rows, row = data['table0'].shape
   tbe = train.SplitTableBatchedEmbeddingBagsCodegen(
       [(rows, row, ops.EmbeddingLocation.HOST, ops.ComputeDevice.CPU)],
-      optimizer=configs.EmbOptimType.ROWWISE_RMSPROP_AR,
-      learning_rate=learning_rate, eps=eps, ar_alpha=ar_alpha,
-      ema_beta=ema_beta, min_shrinkage=min_shrinkage,
-      pooling_mode=ops.PoolingMode.NONE, device='cpu')
+      optimizer=getattr(configs.EmbOptimType, optimizer),
+      pooling_mode=ops.PoolingMode.NONE, device='cpu', **options)
+  assert tbe.training    # (an EMA blend runs in training mode only)
   with torch.no_grad():
     tbe.split_embedding_weights()[0].copy_(torch.from_numpy(data['table0']))
-  tables, momentum, prev_iter = [], [], []
+  tables, states = [], []
   for step_ids, g in zip(data['ids'], data['grads']):
     indices = torch.from_numpy(step_ids.astype(np.int64))
     offsets = torch.arange(indices.numel() + 1, dtype=torch.int64)
     tbe(indices, offsets).backward(torch.from_numpy(g))
-    states = tbe.split_optimizer_states()[0]
     tables.append(tbe.split_embedding_weights()[0].detach().numpy().copy())
-    momentum.append(states[0].detach().numpy().reshape(rows).copy())
-    prev_iter.append(states[1].detach().numpy().reshape(rows).copy())
-  return {'tables': np.stack(tables), 'momentum': np.stack(momentum),
-          'prev_iter': np.stack(prev_iter),
-          'fbgemm_version': np.array(getattr(fbgemm_gpu, '__version__', '?')),
-          'torch_version': np.array(torch.__version__)}
+    states.append(read_states(tbe.split_optimizer_states()[0], rows))
+  out = {name: np.stack([s[name] for s in states]) for name in states[0]}
+  out.update(tables=np.stack(tables),
+             fbgemm_version=np.array(getattr(fbgemm_gpu, '__version__', '?')),
+             torch_version=np.array(torch.__version__))
+  return out
+
+
+def _state(states, k: int, rows: int) -> np.ndarray:
+  return states[k].detach().numpy().reshape(rows).copy()
+
+
+def run_fbgemm_ar(data: dict, learning_rate: float, eps: float,
+                  ar_alpha: float, ema_beta: float,
+                  min_shrinkage: float) -> dict:
+  """FBGEMM's ROWWISE_RMSPROP_AR tables, `v` and `prev_iter` after each
+  step of `data`."""
+  return _replay_tbe(
+      data, 'ROWWISE_RMSPROP_AR',
+      lambda states, rows: {'momentum': _state(states, 0, rows),
+                            'prev_iter': _state(states, 1, rows)},
+      learning_rate=learning_rate, eps=eps, ar_alpha=ar_alpha,
+      ema_beta=ema_beta, min_shrinkage=min_shrinkage)
 
 
 def main_ar(args: argparse.Namespace) -> None:
@@ -202,36 +217,15 @@ def run_fbgemm_emainplace(data: dict, learning_rate: float, eps: float,
   """FBGEMM's EMAINPLACE_ROWWISE_ADAGRAD tables and `momentum1` after each
   step of `data`."""
   # pylint: disable=g-import-not-at-top
-  import fbgemm_gpu
-  from fbgemm_gpu import split_embedding_configs as configs
-  from fbgemm_gpu import split_table_batched_embeddings_ops_common as ops
-  from fbgemm_gpu import split_table_batched_embeddings_ops_training as train
   from fbgemm_gpu.tbe.config import optimizer_config as oc
-  import torch
 
-  rows, row = data['table0'].shape
-  tbe = train.SplitTableBatchedEmbeddingBagsCodegen(
-      [(rows, row, ops.EmbeddingLocation.HOST, ops.ComputeDevice.CPU)],
-      optimizer=configs.EmbOptimType.EMAINPLACE_ROWWISE_ADAGRAD,
+  return _replay_tbe(
+      data, 'EMAINPLACE_ROWWISE_ADAGRAD',
+      lambda states, rows: {'accumulators': _state(states, 0, rows)},
       learning_rate=learning_rate, eps=eps,
       emainplace_mode=oc.EmainplaceModeDefinition(
           step_ema=step_ema, step_start=step_start,
-          step_ema_coef=step_ema_coef),
-      pooling_mode=ops.PoolingMode.NONE, device='cpu')
-  assert tbe.training    # the blend runs in training mode only
-  with torch.no_grad():
-    tbe.split_embedding_weights()[0].copy_(torch.from_numpy(data['table0']))
-  tables, accumulators = [], []
-  for step_ids, g in zip(data['ids'], data['grads']):
-    indices = torch.from_numpy(step_ids.astype(np.int64))
-    offsets = torch.arange(indices.numel() + 1, dtype=torch.int64)
-    tbe(indices, offsets).backward(torch.from_numpy(g))
-    tables.append(tbe.split_embedding_weights()[0].detach().numpy().copy())
-    accumulators.append(tbe.split_optimizer_states()[0][0].detach().numpy()
-                        .reshape(rows).copy())
-  return {'tables': np.stack(tables), 'accumulators': np.stack(accumulators),
-          'fbgemm_version': np.array(getattr(fbgemm_gpu, '__version__', '?')),
-          'torch_version': np.array(torch.__version__)}
+          step_ema_coef=step_ema_coef))
 
 
 def main_emainplace(args: argparse.Namespace) -> None:
