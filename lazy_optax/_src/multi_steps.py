@@ -289,8 +289,8 @@ def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
   Skipping `tx` under a `lax.cond` costs a copy of every table-sized state
   leaf that `tx` scatters into, on XLA's path: the branch that keeps the
   old leaf and the one that writes into it cannot share its buffer. So
-  where every table-sized leaf of `tx`'s state belongs to a table that a
-  `lazy(...)` updates, `tx` runs at every step, branch-free:
+  where `tx`'s state has table-sized leaves and every one belongs to a
+  table that a `lazy(...)` updates, `tx` runs at every step, branch-free:
   on a step that does not emit, the tables' gradients hold no row (ids
   `num_rows`, which `lazy` drops: no table-sized leaf is written), and the
   other state leaves and the updates are selected with `where` (O(dense
@@ -312,7 +312,9 @@ def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
     return jax.lax.cond(emit, do_update, skip, None)
 
   found = _table_leaves(inner, acc, updates, inner_state)
-  if found is None:
+  if found is None or not found[1]:
+    # No table-sized state (or one that cannot be told apart): the
+    # lax.cond skips the dense work, and copies nothing table-sized.
     return skipping(emit)
   flags, owners = found
   choices = _lazy_choices(inner, acc, updates, inner_state, params,
