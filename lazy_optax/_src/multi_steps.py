@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
 from typing import Any, Mapping, NamedTuple, Optional
 
 import jax
@@ -11,6 +10,7 @@ import optax
 
 from lazy_optax._src import branching
 from lazy_optax._src import row_context
+from lazy_optax._src import row_state
 from lazy_optax._src.id_code import index_dtype
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import is_sparse_rows
@@ -175,21 +175,16 @@ def _accumulated_grads(acc: Any, updates: Any) -> Any:
       if isinstance(a, RowBuffer) else a, acc, updates, is_leaf=_is_leaf)
 
 
-def _params_like(acc: Any, updates: Any, rows: Mapping[int, int]) -> Any:
-  """Shape structs of the parameters, read from `acc` and the gradients.
-
-  A table's leading size is its gradient's `num_rows`, or `rows[i]` for
-  the `i`-th table (in tree order) where given.
-  """
-  tables = itertools.count()
+def _params_like(acc: Any, updates: Any) -> Any:
+  """Shape structs of the parameters, read from `acc` and the gradients (a
+  table's leading size is its gradient's `num_rows`)."""
 
   def struct(a, g):
     if a is None:
       return None
     if isinstance(a, RowBuffer):
-      i = next(tables)
-      return jax.ShapeDtypeStruct(
-          (rows.get(i, g.num_rows), *a.values.shape[1:]), a.values.dtype)
+      return jax.ShapeDtypeStruct((g.num_rows, *a.values.shape[1:]),
+                                  a.values.dtype)
     return jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a))
 
   return jax.tree.map(struct, acc, updates, is_leaf=_is_leaf)
@@ -198,52 +193,28 @@ def _params_like(acc: Any, updates: Any, rows: Mapping[int, int]) -> Any:
 def _table_leaves(inner: optax.GradientTransformationExtraArgs, acc: Any,
                   updates: Any, inner_state: Any
                   ) -> Optional[tuple[list[bool], set[str]]]:
-  """Which leaves of `tx`'s state depend on a table's row count, and the
-  path names of the tables they belong to.
-
-  Found as `lazy(...)` finds the leaves that mirror a table
-  (`row_state.py`): `tx.init` evaluated abstractly for the real shapes and
-  again with every table given its own, otherwise unused row count.
+  """Which leaves of `tx`'s state hold one row per table row, and the path
+  names of the tables they belong to (`row_state.row_owners`, as `lazy`
+  finds them).
 
   Returns:
     One flag per leaf of `inner_state`, and the tables' names; None where
-    a changed leaf names no table's probe size (a leaf that cannot be told
-    apart) or the state's tree is not `init`'s.
+    `row_owners` refuses the state (a leaf that is not row by row, or a
+    state that is not `init`'s).
   """
-  names = [path_name(path) for path, a in
-           jax.tree_util.tree_leaves_with_path(acc, is_leaf=_is_leaf)
-           if isinstance(a, RowBuffer)]
-  used = {int(g.num_rows) for g in jax.tree.leaves(updates,
-                                                   is_leaf=_is_leaf)
-          if isinstance(g, SparseRows)}
-  for leaf in jax.tree.leaves((inner_state, acc)):
-    used.update(int(d) for d in jnp.shape(leaf))
-  sizes: dict[int, int] = {}
-  size = 1_000_003
-  for i in range(len(names)):
-    while size in used:
-      size += 2
-    sizes[i] = size
-    size += 2
-  real, probe = jax.eval_shape(
-      lambda a, b: (inner.init(a), inner.init(b)),
-      _params_like(acc, updates, {}), _params_like(acc, updates, sizes))
-  real_leaves, real_def = jax.tree.flatten(real)
-  probe_leaves = jax.tree.leaves(probe)
-  defs: list[Any] = [real_def, jax.tree.structure(probe),
-                     jax.tree.structure(inner_state)]
-  if not defs[0] == defs[1] == defs[2]:
+  shapes, treedef = jax.tree.flatten(_params_like(acc, updates))
+  paths = jax.tree_util.tree_leaves_with_path(
+      acc, is_leaf=lambda x: isinstance(x, RowBuffer))
+  names = [path_name(path) for path, _ in paths]
+  tables = [i for i, (_, a) in enumerate(paths) if isinstance(a, RowBuffer)]
+  try:
+    owners = row_state.row_owners(
+        inner.init, shapes, lambda leaves: jax.tree.unflatten(treedef, leaves),
+        tables, inner_state)
+  except ValueError:
     return None
-  flags, owners = [], set()
-  for r, q in zip(real_leaves, probe_leaves):
-    changed = tuple(r.shape) != tuple(q.shape)
-    if changed:
-      found = [names[i] for i, s in sizes.items() if s in q.shape]
-      if not found:
-        return None
-      owners.update(found)
-    flags.append(changed)
-  return flags, owners
+  return ([o is not None for o in owners],
+          {names[o] for o in owners if o is not None})
 
 
 def _lazy_choices(inner: optax.GradientTransformationExtraArgs, acc: Any,
