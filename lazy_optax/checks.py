@@ -6,7 +6,9 @@ damaged by arithmetic on the gradient tree stops the step with
 ids are concrete both raise at once. `with_id_checks(tx)` checks every
 gradient `tx` gets, `check_ids_in_range` checks a tree where it is called,
 and `checked(step)` runs a (jitted) step with those checks and raises a
-`CheckError` that carries the step's outputs.
+`CheckError` that carries the step's outputs. Both are a `StepError`:
+from `lazy_optax.perf.make_train_step` the step wrote nothing, and the
+exception's `outputs` hold the state from before it.
 """
 
 from lazy_optax._src.checks import check_ids_in_range
@@ -15,6 +17,7 @@ from lazy_optax._src.checks import CheckError
 from lazy_optax._src.checks import with_id_checks
 from lazy_optax._src.damage import DamagedIdsError
 from lazy_optax._src.damage import on_damaged_ids
+from lazy_optax._src.damage import StepError
 
 __all__ = (
     'with_id_checks',
@@ -23,4 +26,5 @@ __all__ = (
     'check_ids_in_range',
     'DamagedIdsError',
     'on_damaged_ids',
+    'StepError',
 )

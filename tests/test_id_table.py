@@ -611,3 +611,18 @@ def test_a_state_of_the_lru_default_of_before_is_named():
   slots, _, _ = lazy_optax.IdTable(capacity=8, eviction='lru').assign(
       old, np.array([1, 2]), step=0)
   assert (np.asarray(slots) < 8).all()
+
+
+def test_checked_table_outside_checked_names_the_fix():
+  table = lazy_optax.IdTable(capacity=4, probe=4, eviction='none',
+                             checked=True)
+  step = jax.jit(lambda s, ids: table.assign(s, ids, step=0,
+                                             ids_are_32bit=True))
+  with pytest.raises(ValueError) as e:
+    step(table.init(), jax.device_put(np.arange(2, dtype=np.int32)))
+  first = str(e.value).splitlines()[0]
+  assert first.startswith('IdTable(checked=True) records checks that only a '
+                          'checked step can run')
+  assert 'lazy_optax.checks.checked(jax.jit(step))' in first
+  assert 'lazy_optax.perf.make_train_step(step)' in first
+  assert 'drop checked=True' in first

@@ -11,6 +11,7 @@ runs a function with its checks and raises `CheckError` when one failed.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any, Callable
 
 import jax
@@ -18,6 +19,7 @@ from jax.experimental import checkify
 import jax.numpy as jnp
 import optax
 
+from lazy_optax._src import damage
 from lazy_optax._src import id_code
 from lazy_optax._src import validate
 from lazy_optax._src.paths import path_name
@@ -60,20 +62,48 @@ def check_ids_in_range(tree: Any) -> None:
     leaf.check(where)
     decoded = leaf.decoded()
     damaged = id_code.damaged(decoded, leaf.values)
-    checkify.check(
-        ~jnp.any(damaged),
-        validate.damaged_ids_message(_braces(where), '{count}', leaf.num_ids),
-        count=jnp.sum(damaged))
+    _check(~jnp.any(damaged),
+           validate.damaged_ids_message(_braces(where), '{count}',
+                                        leaf.num_ids),
+           count=jnp.sum(damaged))
     ids = decoded.ids
     # Id num_rows is the slot that names no row (padding, masked bag slots,
     # unused deduplication slots): not an error.
     bad = decoded.intact & ((ids < 0) | (ids > leaf.num_rows))
     first = jnp.argmax(bad)
-    checkify.check(
-        ~jnp.any(bad),
-        validate.out_of_range_message(f'SparseRows for {where}',
-                                      leaf.num_rows),
-        id=ids[first], position=first, count=jnp.sum(bad))
+    _check(~jnp.any(bad),
+           validate.out_of_range_message(f'SparseRows for {where}',
+                                         leaf.num_rows),
+           id=ids[first], position=first, count=jnp.sum(bad))
+
+
+_NOT_FUNCTIONALIZED = (
+    '{what} records checks that only a checked step can run: under jax.jit '
+    'wrap the step with lazy_optax.checks.checked(jax.jit(step)) or build '
+    'it with lazy_optax.perf.make_train_step(step) (which also keeps the '
+    'donated state when a check fails){alternative}.\nOtherwise JAX fails '
+    'when it compiles the step: "Cannot abstractly evaluate a checkify.check '
+    'which was not functionalized".')
+
+
+_checking = threading.local()   # how many `checked` calls are tracing
+
+
+def _check(ok: jax.Array, message: str, what: str = '',
+           alternative: str = '', **fields: Any) -> None:
+  """`checkify.check`, or a check returned as data inside
+  `make_train_step`. With `what`, a traced check outside `checked` (where
+  JAX would fail only when it lowers the step, with its own words) raises
+  an error that names the fix."""
+  if damage.refuse_when(~ok, CheckError,
+                        lambda **values: message.format(**values),
+                        **fields):
+    return
+  if (what and not getattr(_checking, 'depth', 0)
+      and isinstance(ok, jax.core.Tracer)):
+    raise ValueError(_NOT_FUNCTIONALIZED.format(what=what,
+                                                alternative=alternative))
+  checkify.check(ok, message, **fields)
 
 
 def check_id_table_room(no_room: Any, live: Any, capacity: int) -> None:
@@ -88,12 +118,15 @@ def check_id_table_room(no_room: Any, live: Any, capacity: int) -> None:
     live: int32 scalar, the live ids after the call.
     capacity: the table's slot count.
   """
-  checkify.check(
+  _check(
       no_room == 0,
       'IdTable: {no_room} looked-up ids got no row (slot capacity) for lack '
-      f'of room: {{live}} of {capacity} slots hold live ids. The table or '
-      'its probe windows are full: give it more capacity, a larger probe, an '
-      "eviction policy other than 'none', or a ttl.",
+      f'of room: give it more capacity than {capacity} slots, a larger probe, '
+      "an eviction policy other than 'none', or a ttl.\n{{live}} of "
+      f'{capacity} slots hold live ids: the table or its probe windows are '
+      'full.',
+      what='IdTable(checked=True)',
+      alternative=', or drop checked=True',
       no_room=no_room, live=live)
 
 
@@ -157,18 +190,17 @@ def _reported(path: Any, leaf: Any) -> Any:
   return SparseRows.from_unique(ids, leaf.values, leaf.num_rows)
 
 
-class CheckError(ValueError):
-  """A check recorded under `checked` failed.
+class CheckError(damage.StepError):
+  """A check recorded under `checked` (or in `make_train_step`) failed.
 
   Attributes:
-    outputs: what the checked function returned. With out-of-range ids these
-      are valid results (the bad ids touched no row), so training can go on
-      from them even when the inputs were donated.
+    outputs: what the checked function returned. Under `checked` the bad
+      ids touched no row, but the step's other updates (dense leaves, other
+      tables, the step count) were applied. From
+      `lazy_optax.perf.make_train_step` the step wrote nothing: the donated
+      arguments' positions hold the state from before it, and resuming from
+      them equals a run without that step.
   """
-
-  def __init__(self, message: str, outputs: Any):
-    super().__init__(message)
-    self.outputs = outputs
 
 
 def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -199,7 +231,11 @@ def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
 
   @functools.wraps(fn)
   def wrapper(*args, **kwargs):
-    error, outputs = checked_fn(*args, **kwargs)
+    _checking.depth = getattr(_checking, 'depth', 0) + 1
+    try:
+      error, outputs = checked_fn(*args, **kwargs)
+    finally:
+      _checking.depth -= 1
     message = error.get()
     if message is not None:
       raise CheckError(message, outputs)

@@ -10,6 +10,7 @@ import optax
 
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
+from lazy_optax._src import damage
 from lazy_optax._src import row_context
 from lazy_optax._src import row_ops
 from lazy_optax._src import row_state
@@ -114,6 +115,28 @@ def _row_leaves(leaves: _Leaves, skip_zero_rows: bool,
     if skip_zero_rows and not isinstance(g, SparseRows) and jnp.ndim(g) >= 1:
       rows[i] = _RowLeaf(None, _touched_rows(jnp.asarray(g)))
   return rows, row_grads
+
+
+def _gated(rows: dict[int, _RowLeaf], grads: list[Any]
+           ) -> tuple[dict[int, _RowLeaf], Optional[int]]:
+  """`rows` whose ids name no row if a check of the step helper failed
+  (`damage.gate`: all of this update's gradients are checked by now), and
+  how many checks they saw."""
+  seen = None
+  for i, row in rows.items():
+    if row.ids is not None:
+      ids, seen = damage.gate(row.ids, grads[i].num_rows)
+      rows[i] = row._replace(ids=ids)
+  return rows, seen
+
+
+def _note_writes(state: Any, new_state: Any, owners: list[Optional[int]],
+                 rows: dict[int, _RowLeaf], seen: Optional[int]) -> None:
+  """Tells the step helper which state tables only gated writes changed."""
+  for old, new, pos in zip(jax.tree.leaves(state), jax.tree.leaves(new_state),
+                           owners):
+    if pos is not None and rows[pos].ids is not None:
+      damage.note(new, old, seen)
 
 
 def _gather(leaf: jax.Array, row: _RowLeaf,
@@ -344,6 +367,7 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
   """
   moves = plan.tables if plan is not None else None
   rows, row_grads = _row_leaves(leaves, skip_zero_rows, moves)
+  rows, seen = _gated(rows, leaves.grads)
   owners = _state_owners(find_owners, leaves, list(rows), state)
   # Nested in another `lazy` (or in `explain_update`): the outer context
   # stays reachable through this one.
@@ -354,6 +378,7 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
       leaves.treedef.unflatten(row_grads), row_state_tree, row_params,
       **{**extra_args, row_context.ROWS_KEY: context})
   new_state = _new_state(blocks, state, new_row_state, owners)
+  _note_writes(state, new_state, owners, rows, seen)
   _record_unfused(blocks, owners)
   return (_row_updates(leaves, rows, new_updates, moves, context),
           new_state, context)

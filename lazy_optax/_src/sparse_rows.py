@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from lazy_optax._src import backend as backend_lib
+from lazy_optax._src import damage
 from lazy_optax._src import distinct as _distinct
 from lazy_optax._src import id_code
 from lazy_optax._src import row_ops
@@ -261,11 +262,13 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     array = jnp.asarray(array)
     self.check(where)
     validate.same_shape(tuple(array.shape), self.shape, where)
-    ids = self.safe_ids(where)
+    ids, seen = damage.gate(self.safe_ids(where), self.num_rows)
     if self._fused is not None and array is self._fused.table:
-      return self._fused.add(array, ids, self.values, self._backend)
-    return row_ops.add(array, ids, self.values.astype(array.dtype),
-                       self._backend)
+      added = self._fused.add(array, ids, self.values, self._backend)
+    else:
+      added = row_ops.add(array, ids, self.values.astype(array.dtype),
+                          self._backend)
+    return damage.note(added, array, seen)
 
   def astype(self, dtype: Any) -> SparseRows:
     """The same rows with values cast to `dtype` (the ids unchanged)."""

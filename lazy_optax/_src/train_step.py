@@ -6,6 +6,17 @@ the caller may still read: the lazy step then costs O(table) again and is
 slower than dense Adam. These helpers check a jitted step once, with public
 JAX only (`step.lower(...)`'s `args_info` and the compiled step's
 `memory_analysis()`), and warn when its tables are not donated.
+
+`make_train_step` also keeps the train state when it refuses a step. JAX
+deletes donated inputs when a computation fails, so a check that raises
+from inside the compiled step (a host callback) would lose the params and
+optimizer state. The helper's step returns its checks as data instead
+(`damage.recording`): once a check fails, every row write of lazy_optax
+goes to the "no row" sentinel, and every other leaf of a donated argument
+is kept with a `where`; the helper then raises on the host, with the state
+from before the step on the exception (`StepError.outputs`). A step without
+checks (its gradients come from `lazy_optax.value_and_grad` unchanged)
+compiles and runs as `jax.jit` alone would.
 """
 
 from __future__ import annotations
@@ -17,6 +28,9 @@ import weakref
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from lazy_optax._src import damage
 
 _WARNED: 'weakref.WeakSet[Any]' = weakref.WeakSet()
 _WARNED_IDS: set[int] = set()
@@ -258,7 +272,8 @@ def make_train_step(
     donate_argnums: Union[int, Sequence[int]] = (0, 1),
     **jit_kwargs: Any,
 ) -> Callable[..., Any]:
-  """`jax.jit(fun, donate_argnums=...)` that checks its donation once.
+  """`jax.jit(fun, donate_argnums=...)` that checks its donation once, and
+  keeps the train state when a step is refused.
 
   The train step of plain JAX, Flax linen and Haiku is
   `step(params, opt_state, *batch) -> (params, opt_state, ...)`: its first
@@ -267,6 +282,18 @@ def make_train_step(
   the compiled step (one extra compilation) and warns once if tables are not
   donated (other `donate_argnums`) or not aliased (a table returned with
   another dtype or sharding).
+
+  A step that lazy_optax refuses when it runs (row ids damaged by arithmetic
+  on the gradient tree: `lazy_optax.checks.DamagedIdsError`; a check of the
+  checked mode, `with_id_checks` or `IdTable(checked=True)`:
+  `lazy_optax.checks.CheckError`) writes nothing, and the helper raises
+  that error (a `lazy_optax.checks.StepError`) with `outputs`: what the step
+  returned, where each donated argument's position holds that argument as it
+  was before the step. Training resumes from them bit for bit. For this the
+  step returns each donated argument's new value at the argument's position
+  (output 0 for argument 0, ...). Checks inside `jax.vmap`, `lax.scan` or a
+  `shard_map` body of the step keep their host callback, which loses
+  donated inputs.
 
   Args:
     fun: the train step.
@@ -294,7 +321,19 @@ def make_train_step(
     >>> float(loss)
     8.0
   """
-  jitted = jax.jit(fun, donate_argnums=donate_argnums, **jit_kwargs)
+  donated = ((donate_argnums,) if isinstance(donate_argnums, int)
+             else tuple(donate_argnums))
+
+  def traced(*args: Any, **kwargs: Any) -> Any:
+    with damage.recording() as refusals:
+      out = fun(*args, **kwargs)
+    failed = refusals.failed()
+    if failed is None:
+      return out, None
+    return (_kept_when_failed(out, args, donated, failed, refusals),
+            _Refused.of(refusals))
+
+  jitted = jax.jit(traced, donate_argnums=donate_argnums, **jit_kwargs)
   checked: list[bool] = []
 
   @functools.wraps(fun)
@@ -302,7 +341,92 @@ def make_train_step(
     if not checked:
       checked.append(True)
       warn_if_not_donated(jitted, *args, **kwargs)
-    return jitted(*args, **kwargs)
+    out, refused = jitted(*args, **kwargs)
+    if refused is not None:
+      refused.raise_if_failed(out)
+    return out
 
   step.lower = jitted.lower  # type: ignore[attr-defined]
   return step
+
+
+_NOT_IN_PLACE = (
+    'make_train_step: this step can be refused when it runs (its gradients '
+    'carry row ids that are checked then), and to hand back the state from '
+    'before a refused step it must return the new value of each donated '
+    'argument at that argument\'s position, with its structure, shapes and '
+    'dtypes (step(params, opt_state, *batch) -> (params, opt_state, ...)); '
+    '{problem}. Return it there, or set donate_argnums to the arguments it '
+    'returns.')
+
+
+def _kept_when_failed(out: Any, args: tuple[Any, ...],
+                      donated: tuple[int, ...], failed: jax.Array,
+                      refusals: damage.Refusals) -> Any:
+  """`out` whose donated arguments' entries are the arguments when `failed`.
+
+  Leaves that only lazy_optax's gated writes changed are kept as they are
+  (they already equal the argument); the others are chosen with a `where`.
+  """
+  outs = list(out) if isinstance(out, (tuple, list)) else [out]
+  for k in donated:
+    if k >= len(outs):
+      raise TypeError(_NOT_IN_PLACE.format(
+          problem=f'it returns {len(outs)} value(s), none for argument {k}'))
+    if jax.tree.structure(outs[k]) != jax.tree.structure(args[k]):
+      raise TypeError(_NOT_IN_PLACE.format(
+          problem=f'output {k} has another tree structure than argument {k}'))
+
+    def keep(new, old):
+      if refusals.unchanged_when_failed(new, old):
+        return new
+      if (jnp.shape(new) != jnp.shape(old)
+          or jnp.result_type(new) != jnp.result_type(old)):
+        raise TypeError(_NOT_IN_PLACE.format(
+            problem=f'a leaf of output {k} has shape {jnp.shape(new)}, '
+            f'{jnp.result_type(new)} where argument {k} has '
+            f'{jnp.shape(old)}, {jnp.result_type(old)}'))
+      return jnp.where(failed, old, new)
+
+    outs[k] = jax.tree.map(keep, outs[k], args[k])
+  if isinstance(out, (tuple, list)):
+    return type(out)(outs)
+  return outs[0]
+
+
+@jax.tree_util.register_pytree_node_class
+class _Refused:
+  """A step's checks as data: which failed, and their fields (leaves); the
+  errors and messages (static, so they survive in jit's cache)."""
+
+  def __init__(self, leaves: Any, static: Any):
+    self.leaves, self.static = leaves, static
+
+  @classmethod
+  def of(cls, refusals: damage.Refusals) -> '_Refused':
+    leaves = [(r.bad, r.fields) for r in refusals.reports]
+    static = tuple((r.error, r.message) for r in refusals.reports)
+    return cls(leaves, static)
+
+  def tree_flatten(self):
+    return (self.leaves,), self.static
+
+  @classmethod
+  def tree_unflatten(cls, static, children):
+    return cls(children[0], static)
+
+  def raise_if_failed(self, outputs: Any) -> None:
+    """Raises the first failed check's error, carrying `outputs`."""
+    bads = np.asarray(jax.device_get([bad for bad, _ in self.leaves]))
+    for failed, (_, fields), (error, message) in zip(bads, self.leaves,
+                                                     self.static):
+      if np.any(failed):
+        values = {k: np.asarray(jax.device_get(v)).tolist()
+                  for k, v in fields.items()}
+        raise error(message(**values) + '\n' + _KEPT, outputs)
+
+
+_KEPT = (
+    'The step wrote nothing: e.outputs holds what it returned, with the '
+    'params and optimizer state from before it at the donated positions; '
+    'resume from them.')

@@ -14,21 +14,35 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+_FIX = ('combine gradient trees with lazy_optax.tree.add(g1, g2), across '
+        'devices with lazy_optax.tree.psum or lazy_optax.tree.pmean, and '
+        'scale them with lazy_optax.tree.scale')
+
 _COMBINE = (
-    'Combine SparseRows gradients with g1 + g2 or lazy_optax.tree.add (rows '
-    'concatenated), across devices with lazy_optax.tree.psum or '
-    'lazy_optax.tree.pmean, cast them with SparseRows.astype, and put plain '
-    'optax transformations inside lazy_optax.lazy(optax.chain(...)).')
+    'On a tree of gradients (a dict, a list, a model): '
+    'lazy_optax.tree.add(g1, g2) adds dense leaves and concatenates the '
+    'rows of SparseRows leaves (g1 + g2 does that for two SparseRows only); '
+    'lazy_optax.tree.psum(grads, axis) and lazy_optax.tree.pmean(grads, '
+    'axis) combine devices; lazy_optax.tree.scale(grads, s) scales; '
+    'jax.tree.map(lambda g: g.astype(dtype), grads, '
+    'is_leaf=lazy_optax.tree.is_sparse_rows) casts the values only; plain '
+    'optax transformations go inside lazy_optax.lazy(optax.chain(...)).')
 
 
 def damaged_ids_message(where: str, count: Any, total: int) -> str:
-  """The message for ids changed by arithmetic on the gradient tree."""
+  """The message for ids changed by arithmetic on the gradient tree.
+
+  Its first line says what happened and what to write instead.
+  """
   return (
       f'The row ids of {where} were changed by arithmetic on the gradient '
-      f'tree ({count} of {total} ids damaged): jax.tree.map of add, subtract '
-      'or mean, lax.psum, lax.pmean, a cast, added noise, or a scale factor '
-      'of magnitude below 2**-66 (about 1.4e-20, which flushes the ids to '
-      f'zero) reached the ids of a SparseRows. {_COMBINE}')
+      f'tree ({count} of {total} ids damaged): {_FIX}.\n'
+      'What damages them: jax.tree.map of add, subtract or mean '
+      '(jax.tree.map(jnp.add, g1, g2)), optax.tree.add, lax.psum, lax.pmean, '
+      'a cast, added noise, or a scale factor of magnitude below 2**-66 '
+      '(about 1.4e-20, which flushes the ids to zero). Accumulating into '
+      'jax.tree.map(jnp.zeros_like, grads) damages them too: start from the '
+      f'first gradients instead. {_COMBINE}')
 
 
 def reduced_values_message(where: str, axes: Any) -> str:
@@ -213,12 +227,14 @@ def id_code_structure(code: Any, values: Any, width: int, where: str) -> None:
   if dtype != jnp.float32:
     raise TypeError(
         f'The row ids of {where} were cast to {dtype} by an operation on the '
-        f'gradient tree. {_COMBINE}')
+        'gradient tree: cast the values only, jax.tree.map(lambda g: '
+        'g.astype(dtype), grads, is_leaf=lazy_optax.tree.is_sparse_rows).\n'
+        f'{_COMBINE}')
   shape = tuple(jnp.shape(code))
   if len(shape) != 2 or shape[1] != width:
     raise ValueError(
         f'The row ids of {where} were reshaped to {shape} by an operation on '
-        f'the gradient tree. {_COMBINE}')
+        f'the gradient tree: {_FIX}.\n{_COMBINE}')
   one_row_per_index(shape[0], values, where)
 
 

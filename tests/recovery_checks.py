@@ -1,0 +1,232 @@
+"""A refused step keeps the train state: the cases of docs/semantics.md.
+
+For every composition that docs/semantics.md puts in an error group, a
+donated step built with `lazy_optax.perf.make_train_step` either fails at
+trace time (nothing ran, nothing was donated) or raises a
+`lazy_optax.checks.StepError` whose `outputs` hold the params and optimizer
+state from before the step; resuming from them must equal, bit for bit, a
+run that never met the bad step. `run_cases()` runs them on one device (in
+the pytest process) or, where 8 devices exist, with the table sharded over
+its rows (tests/eight_devices.py runs it there).
+"""
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+import numpy as np
+import optax
+
+import lazy_optax
+from lazy_optax import SparseRows
+
+V, D, N = 16, 4, 6
+
+
+def _raw_reduce(reduce):
+  """Two devices' gradients combined leaf by leaf with a raw collective."""
+
+  def change(g):
+    stacked = jax.tree.map(lambda x: jnp.stack([x, x[::-1]]), g)
+    reduced = jax.vmap(lambda h: reduce(h, 'd'), axis_name='d')(stacked)
+    return jax.tree.map(lambda x: x[0], reduced)
+
+  return change
+
+
+def _zeros_like_accumulation(g):
+  """Two microbatches accumulated into `jax.tree.map(jnp.zeros_like, g)`."""
+  acc = jax.tree.map(jnp.zeros_like, g)
+  acc = jax.tree.map(jnp.add, acc, g)
+  return jax.tree.map(jnp.add, acc, _other(g))
+
+
+def _other(g):
+  return {'t': SparseRows(jnp.arange(N) % V, jnp.ones((N, D)), V),
+          'w': jnp.ones_like(g['w'])}
+
+
+# What the step does to the gradient dict before the update: each damages
+# the table's ids, which only the running step can see.
+WHEN_RUN = {
+    'tree_add': lambda g: jax.tree.map(jnp.add, g, _other(g)),
+    'optax_tree_add': lambda g: optax.tree.add(g, _other(g)),
+    'scale_1e-30': lambda g: jax.tree.map(lambda x: x * 1e-30, g),
+    'scale_2^-70': lambda g: jax.tree.map(lambda x: x * 2.0 ** -70, g),
+    'add_noise': lambda g: optax.add_noise(0.1, 0.5, 0).update(
+        g, optax.add_noise(0.1, 0.5, 0).init(g))[0],
+    'centralize': lambda g: optax.centralize().update(
+        g, optax.centralize().init(g))[0],
+    'raw_psum': _raw_reduce(jax.lax.psum),
+    'raw_pmean': _raw_reduce(jax.lax.pmean),
+    'zeros_like_accumulation': _zeros_like_accumulation,
+}
+
+# Optimizers built wrong, refused at trace time.
+AT_TRACE = {
+    'scale_by_adam_before_lazy': lambda: optax.chain(
+        optax.scale_by_adam(), lazy_optax.lazy(optax.sgd(0.1))),
+    'add_decayed_weights_before_lazy': lambda: optax.chain(
+        optax.add_decayed_weights(0.1), lazy_optax.lazy_adam(0.1)),
+    'optax_multi_steps': lambda: optax.MultiSteps(lazy_optax.lazy_adam(0.1),
+                                                  2),
+    'partition_to_plain_optimizer': lambda: optax.partition(
+        {'a': optax.adam(0.1), 'b': lazy_optax.lazy_adam(0.1)},
+        {'t': 'a', 'w': 'b'}),
+    'multi_steps_without_the_table': lambda: lazy_optax.wrappers.multi_steps(
+        lazy_optax.lazy_adam(0.1), every_k=2, ids_per_step={}),
+}
+
+
+def _placed(params):
+  """The params on one device, or the table split over 8 devices' rows."""
+  if jax.device_count() < 8:
+    return params
+  mesh = jax.make_mesh((8,), ('rows',))
+  return {'t': jax.device_put(params['t'], NamedSharding(mesh, P('rows'))),
+          'w': jax.device_put(params['w'], NamedSharding(mesh, P()))}
+
+
+def _fresh():
+  rng = np.random.default_rng(0)
+  return _placed({'t': jnp.asarray(rng.normal(size=(V, D)), jnp.float32),
+                  'w': jnp.asarray(rng.normal(size=(D,)), jnp.float32)})
+
+
+def _batches():
+  rng = np.random.default_rng(1)
+  return [jnp.asarray(rng.integers(0, V, size=N), jnp.int32)
+          for _ in range(3)]
+
+
+def _make_step(tx, change):
+  def train_step(params, opt_state, ids):
+    def loss_fn(p):
+      rows = lazy_optax.lookup(p['t'], ids)
+      return jnp.sum((rows @ p['w'] - 1.0) ** 2)
+    loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(change(grads), opt_state, params)
+    return lazy_optax.apply_updates(params, updates), opt_state, loss
+
+  return lazy_optax.perf.make_train_step(train_step)
+
+
+def _host(tree):
+  return jax.tree.map(lambda x: np.array(x, copy=True), tree)
+
+
+def _same(a, b):
+  return all(jax.tree.leaves(jax.tree.map(
+      lambda x, y: np.array_equal(x, y) and x.dtype == y.dtype,
+      _host(a), _host(b))))
+
+
+_MEMO = {}
+
+
+def _good(tx):
+  """The step without a change of the gradients, one per `tx`."""
+  if id(tx) not in _MEMO:
+    _MEMO[id(tx)] = (tx, _make_step(tx, lambda g: g))
+  return _MEMO[id(tx)][1]
+
+
+def _reference(tx, good):
+  """Batches 0 and 2 only, as if batch 1 never came."""
+  key = ('reference', id(good))
+  if key not in _MEMO:
+    _MEMO[key] = _host(_run_reference(tx, good))
+  return _MEMO[key]
+
+
+def _run_reference(tx, good):
+  b = _batches()
+  params = _fresh()
+  state = tx.init(params)
+  params, state, _ = good(params, state, b[0])
+  params, state, _ = good(params, state, b[2])
+  return params, state
+
+
+def _when_run(name, tx):
+  """The bad step raises StepError; its outputs resume bit for bit."""
+  good = _good(tx)
+  bad = _make_step(tx, WHEN_RUN[name])
+  b = _batches()
+  params = _fresh()
+  state = tx.init(params)
+  params, state, _ = good(params, state, b[0])
+  before = _host((params, state))
+  try:
+    bad(params, state, b[1])
+  except lazy_optax.checks.StepError as e:
+    error = e
+  else:
+    return {'error': 'the bad step was not refused'}
+  deleted = params['t'].is_deleted()   # donated: consumed by the call
+  params, state, _ = error.outputs
+  kept = _same((params, state), before)
+  params, state, _ = good(params, state, b[2])
+  return {'raised': type(error).__name__,
+          'first_line': str(error).splitlines()[0],
+          'donated': bool(deleted), 'kept': kept,
+          'resumed': _same((params, state), _reference(tx, good))}
+
+
+def _checked(tx):
+  """Out-of-range ids in checked mode: CheckError, state kept."""
+  checked_tx = lazy_optax.checks.with_id_checks(tx)
+  step = _good(checked_tx)
+  b = _batches()
+  params = _fresh()
+  state = checked_tx.init(params)
+  params, state, _ = step(params, state, b[0])
+  before = _host((params, state))
+  try:
+    step(params, state, jnp.asarray([1, 2, V + 3, 4, -1, 5], jnp.int32))
+  except lazy_optax.checks.CheckError as e:
+    error = e
+  else:
+    return {'error': 'out-of-range ids were not reported'}
+  params, state, _ = error.outputs
+  kept = _same((params, state), before)
+  params, state, _ = step(params, state, b[2])
+  return {'raised': type(error).__name__,
+          'first_line': str(error).splitlines()[0],
+          'kept': kept, 'resumed': _same((params, state),
+                                         _reference(checked_tx, step))}
+
+
+def _at_trace(name):
+  """Refused at trace time: the donated inputs are still there."""
+  tx = AT_TRACE[name]()
+  step = _make_step(tx, lambda g: g)
+  params = _fresh()
+  try:
+    state = tx.init(params)
+    before = _host((params, state))
+    step(params, state, _batches()[0])
+  except (ValueError, TypeError) as e:
+    first_line = str(e).splitlines()[0]
+  else:
+    return {'error': 'not refused'}
+  intact = not any(x.is_deleted() for x in jax.tree.leaves((params, state)))
+  return {'first_line': first_line, 'intact': intact,
+          'kept': intact and _same((params, state), before)}
+
+
+def run_cases(names=None):
+  """Every case (or those named); a dict of JSON-able results by case."""
+  tx = lazy_optax.lazy_adam(0.1)
+  out = {}
+  _MEMO.clear()
+  for name in names or list(WHEN_RUN) + ['checked_out_of_range'] + list(
+      AT_TRACE):
+    if name in WHEN_RUN:
+      out[name] = _when_run(name, tx)
+    elif name in AT_TRACE:
+      out[name] = _at_trace(name)
+    else:
+      out[name] = _checked(tx)
+  out['devices'] = jax.device_count()
+  return out
