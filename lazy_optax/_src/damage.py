@@ -118,8 +118,10 @@ def report_if_damaged(all_intact: jax.Array, damaged: jax.Array, where: str,
   damage is returned as data instead (`refuse_when`): the step writes
   nothing and the helper raises after it holds the state.
   """
-  if refuse_when(~all_intact, DamagedIdsError,
-                 lambda count: validate.damaged_ids_message(where, count, total),
+  def message(count):
+    return validate.damaged_ids_message(where, count, total)
+
+  if refuse_when(~all_intact, DamagedIdsError, message,
                  count=damaged.astype(jnp.int32)):
     return jnp.zeros((), jnp.int32)
 

@@ -34,6 +34,7 @@ the transformation).
 from __future__ import annotations
 
 from typing import Any, Callable, Optional, Sequence
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -226,6 +227,28 @@ def _classify(probe: _Probe, unused: list[bool], params: _Params,
   return sparse
 
 
+# The tables `value_and_grad` gave a `SparseRows` gradient, by identity of
+# the parameter it was given (an array, or a tracer of the step's trace),
+# held weakly: `lazy(...)` refuses a dense gradient for one of them.
+_ROW_SPARSE: dict[int, Any] = {}
+
+
+def _mark_row_sparse(table: Any) -> None:
+  key = id(table)
+  try:
+    _ROW_SPARSE[key] = weakref.ref(table,
+                                   lambda _: _ROW_SPARSE.pop(key, None))
+  except TypeError:  # not weakly referenceable: not remembered
+    pass
+
+
+def had_row_sparse_gradient(table: Any) -> bool:
+  """Whether `value_and_grad` gave this very parameter a `SparseRows`
+  gradient (its lookups read it)."""
+  ref = _ROW_SPARSE.get(id(table))
+  return ref is not None and ref() is table
+
+
 def _sparse_rows(ids: jax.Array, values: jax.Array,
                  num_rows: int, impl: str) -> SparseRows:
   """The `SparseRows` gradient; slots may name `num_rows` (padding: no row).
@@ -385,6 +408,8 @@ def value_and_grad(
             f'dimension is named {w!r}; parameters: {flat.names}.')
     probe, unused = _probe(call, flat, candidates)
     sparse = _classify(probe, unused, flat, candidates, wanted is not None)
+    for i in sparse:
+      _mark_row_sparse(flat.leaves[i])
     loss, aux, grads = _differentiate(call, flat, sparse, probe, impl)
     return ((loss, aux), grads) if has_aux else (loss, grads)
 

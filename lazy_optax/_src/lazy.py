@@ -11,6 +11,7 @@ import optax
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import damage
+from lazy_optax._src import grads as _grads
 from lazy_optax._src import row_context
 from lazy_optax._src import row_ops
 from lazy_optax._src import row_state
@@ -89,6 +90,46 @@ def check_sparse_leaf(grad: SparseRows, param: Any, name: str) -> None:
     raise ValueError(
         f'Parameter {name} has rows of shape {shape[1:]} but its SparseRows '
         f'gradient has rows of shape {grad.row_shape}.')
+
+
+_DENSE_RULE = (
+    'a dense gradient: tx updates every row of this table (moments of '
+    'untouched rows decay, and those rows move), O(table) per step')
+
+
+def _dense_table_message(name: str) -> str:
+  return (
+      f'Parameter {name} gets a dense gradient, but lazy_optax.value_and_grad '
+      'gave it a SparseRows gradient (its lookups read it): accumulate '
+      'gradients with lazy_optax.tree.add(g1, g2) starting from the first '
+      'gradients, not into jax.tree.map(jnp.zeros_like, params), or use '
+      'lazy_optax.wrappers.multi_steps.\n'
+      f'Its update would be dense ({_DENSE_RULE}), not the lazy update of '
+      'the rows the batch touched. To train this table densely on purpose, '
+      'leave it out of value_and_grad(tables=[...]) or take its gradient '
+      'with jax.grad; lazy(tx, skip_zero_rows=True) updates only the rows '
+      'whose dense gradient is not zero.')
+
+
+def _check_dense_tables(leaves: _Leaves, skip_zero_rows: bool,
+                        extra_args: dict[str, Any]) -> None:
+  """Refuses a dense gradient for a table that `value_and_grad` gave a
+  `SparseRows` (the zeros_like accumulation); `explain_update` is told
+  which tables take the dense rule."""
+  context = row_context.context_of(extra_args)
+  explaining = context is not None and context.log is not None
+  for g, p, name in zip(leaves.grads, leaves.params, leaves.names):
+    if isinstance(g, SparseRows) or skip_zero_rows or jnp.ndim(g) < 2:
+      continue
+    refused = p is not None and _grads.had_row_sparse_gradient(p)
+    if explaining:
+      context.log.append(row_context.Choice(
+          name, 'tx', 'dense',
+          _dense_table_message(name).replace('\n', ' ') if refused
+          else _DENSE_RULE + '; a SparseRows gradient (from '
+          'lazy_optax.value_and_grad) updates only the touched rows'))
+    elif refused:
+      raise ValueError(_dense_table_message(name))
 
 
 def _touched_rows(grad: jax.Array) -> jax.Array:
@@ -481,6 +522,7 @@ def lazy(
 
   def update_fn(updates, state, params=None, **extra_args):
     leaves = _flatten(updates, params)
+    _check_dense_tables(leaves, skip_zero_rows, extra_args)
     if not any(isinstance(g, SparseRows) for g in leaves.grads):
       # Dense leaves only: checked, and row-lazy with skip_zero_rows.
       if not _row_leaves(leaves, skip_zero_rows, None)[0]:

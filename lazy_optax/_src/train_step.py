@@ -373,25 +373,32 @@ def _kept_when_failed(out: Any, args: tuple[Any, ...],
     if k >= len(outs):
       raise TypeError(_NOT_IN_PLACE.format(
           problem=f'it returns {len(outs)} value(s), none for argument {k}'))
-    if jax.tree.structure(outs[k]) != jax.tree.structure(args[k]):
+    structures: list[Any] = [jax.tree.structure(outs[k]),
+                             jax.tree.structure(args[k])]
+    if structures[0] != structures[1]:
       raise TypeError(_NOT_IN_PLACE.format(
           problem=f'output {k} has another tree structure than argument {k}'))
 
-    def keep(new, old):
-      if refusals.unchanged_when_failed(new, old):
-        return new
-      if (jnp.shape(new) != jnp.shape(old)
-          or jnp.result_type(new) != jnp.result_type(old)):
-        raise TypeError(_NOT_IN_PLACE.format(
-            problem=f'a leaf of output {k} has shape {jnp.shape(new)}, '
-            f'{jnp.result_type(new)} where argument {k} has '
-            f'{jnp.shape(old)}, {jnp.result_type(old)}'))
-      return jnp.where(failed, old, new)
-
-    outs[k] = jax.tree.map(keep, outs[k], args[k])
+    outs[k] = jax.tree.map(
+        functools.partial(_keep, k=k, failed=failed, refusals=refusals),
+        outs[k], args[k])
   if isinstance(out, (tuple, list)):
     return type(out)(outs)
   return outs[0]
+
+
+def _keep(new: Any, old: Any, k: int, failed: jax.Array,
+          refusals: damage.Refusals) -> Any:
+  """A leaf of output `k`: `old` when `failed` (argument `k`'s leaf)."""
+  if refusals.unchanged_when_failed(new, old):
+    return new
+  if (jnp.shape(new) != jnp.shape(old)
+      or jnp.result_type(new) != jnp.result_type(old)):
+    raise TypeError(_NOT_IN_PLACE.format(
+        problem=f'a leaf of output {k} has shape {jnp.shape(new)}, '
+        f'{jnp.result_type(new)} where argument {k} has '
+        f'{jnp.shape(old)}, {jnp.result_type(old)}'))
+  return jnp.where(failed, old, new)
 
 
 @jax.tree_util.register_pytree_node_class
