@@ -19,7 +19,7 @@ GUIDE = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
 @pytest.mark.cpu_kernels
 def test_every_python_block_of_the_guide_runs_in_order():
   blocks = re.findall(r'```python\n(.*?)```', GUIDE.read_text(), re.S)
-  assert len(blocks) == 6
+  assert len(blocks) == 8
   # The Haiku block runs where Haiku is installed (an optional dependency);
   # elsewhere a stand-in draws its 51 batches, so that the next blocks
   # train on the same data.
@@ -43,6 +43,12 @@ def test_every_python_block_of_the_guide_runs_in_order():
     assert name in namespace or (name == 'hk_params' and not haiku), name
   # The steps trained: each framework's last loss is well below the first.
   assert float(namespace['loss']) < 1.0
+  # The refused step named what happened and the fix on its first line,
+  # and training went on from the state it handed back.
+  assert namespace['refused'].startswith(
+      'The row ids of parameter table were changed by arithmetic')
+  assert 'lazy_optax.tree.add(g1, g2)' in namespace['refused']
+  assert not namespace['params']['table'].is_deleted()
   # Every framework's step reaches the fused CPU row update of lazy_adam.
   ns, batch = namespace, namespace['batch']
   lowered = {

@@ -380,3 +380,92 @@ def test_flax_train_state_with_clipping_before_lazy_adam():
       np.flatnonzero(np.any(after != before, axis=1)), [2, 3])
   # Adam's first step moves each touched entry by about lr, clipped or not.
   np.testing.assert_allclose(np.abs(after - before)[[2, 3]], 0.1, rtol=1e-3)
+
+
+# -- advice that works: the fixes the messages name, run on a dict ------------
+
+def _lookup_loss(p, ids):
+  return jnp.sum((lazy_optax.lookup(p['t'], ids) @ p['w'] - 1.0) ** 2)
+
+
+def test_zeros_like_params_accumulation_is_refused_with_the_fix():
+  """The issue's loop: two microbatches accumulated into zeros_like(params)
+  turned the table's update dense (every row moved); now refused at trace
+  time, and the fix its first line names trains only the touched rows."""
+  tx = lazy_optax.lazy_adam(0.1)
+  ids1, ids2 = np.array([1, 2, 2]), np.array([2, 5])
+
+  def step(accumulate):
+    def run(params, state, ids1, ids2):
+      _, g1 = lazy_optax.value_and_grad(_lookup_loss)(params, ids1)
+      _, g2 = lazy_optax.value_and_grad(_lookup_loss)(params, ids2)
+      updates, state = tx.update(accumulate(params, g1, g2), state, params)
+      return lazy_optax.apply_updates(params, updates), state
+    return jax.jit(run)
+
+  zeros_like = step(lambda p, g1, g2: jax.tree.map(
+      lambda a, b, c: a + b + c, jax.tree.map(jnp.zeros_like, p), g1, g2,
+      is_leaf=lazy_optax.tree.is_sparse_rows))
+  params = _params()
+  with pytest.raises(ValueError) as e:
+    zeros_like(params, tx.init(params), ids1, ids2)
+  first = str(e.value).splitlines()[0]
+  assert first.startswith('Parameter t gets a dense gradient, but '
+                          'lazy_optax.value_and_grad gave it a SparseRows')
+  assert 'lazy_optax.tree.add(g1, g2) starting from the first' in first
+  # explain_update says which rule the dense gradient gets.
+  dense = {'t': jnp.zeros((V, D)), 'w': jnp.zeros((D,))}
+  choice = lazy_optax.explain_update(tx, dense, tx.init(params), params)
+  assert choice['t'].impl == 'dense' and 'every row' in choice['t'].reason
+  # The fix, on the dict: only rows 1, 2 and 5 move, as the float64 rule.
+  fixed = step(lambda p, g1, g2: lazy_optax.tree.add(g1, g2))
+  new, _ = fixed(params, tx.init(params), ids1, ids2)
+  w, t = np.ones(D), np.asarray(params['t'], np.float64)
+  ids = np.concatenate([ids1, ids2])
+  rows = 2 * (t[ids] @ w - 1.0)[:, None] * w[None, :]
+  want = _ref([(ids, rows)]).p
+  np.testing.assert_allclose(new['t'], want, rtol=1e-6)
+  moved = np.flatnonzero(np.any(np.asarray(new['t']) != params['t'], 1))
+  np.testing.assert_array_equal(moved, [1, 2, 5])
+
+
+def test_every_fix_the_messages_name_runs_on_a_dict():
+  """Each code the error messages suggest, taken from their text and run on
+  a dict of gradients, gives what it promises."""
+  g1, g2 = _grads([1, 2]), _grads([3, 2], scale=0.5)
+  bad = jax.tree.map(jnp.add, g1, g2)
+  with pytest.raises(ValueError) as damaged:
+    _step(lazy_optax.lazy_adam(0.1), bad)
+  cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16), g1)
+  with pytest.raises(TypeError) as cast_error:
+    _step(lazy_optax.lazy_adam(0.1), cast)
+  text = str(damaged.value) + str(cast_error.value)
+  fixes = ['lazy_optax.tree.add(g1, g2)', 'lazy_optax.tree.scale(grads, s)',
+           'lazy_optax.tree.psum(grads, axis)',
+           'lazy_optax.tree.pmean(grads, axis)',
+           'jax.tree.map(lambda g: g.astype(dtype), grads, '
+           'is_leaf=lazy_optax.tree.is_sparse_rows)']
+  for code in fixes:
+    assert code in text, code
+  env = {'jax': jax, 'jnp': jnp, 'lazy_optax': lazy_optax, 'g1': g1,
+         'g2': g2, 'grads': g1, 's': 0.5, 'dtype': jnp.bfloat16}
+  dense = lambda g: np.asarray(g['t'].to_dense(), np.float64)
+  added = eval(fixes[0], env)   # pylint: disable=eval-used
+  np.testing.assert_allclose(dense(added), dense(g1) + dense(g2))
+  np.testing.assert_allclose(added['w'], 1.0)
+  scaled = eval(fixes[1], env)   # pylint: disable=eval-used
+  np.testing.assert_allclose(dense(scaled), 0.5 * dense(g1))
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), g1, g2)
+  for code, factor in ((fixes[2], 1.0), (fixes[3], 0.5)):
+    reduce = lambda g, code=code: eval(   # pylint: disable=eval-used
+        code, dict(env, grads=g, axis='d'))
+    out = jax.vmap(reduce, axis_name='d')(stacked)
+    first = jax.tree.map(lambda x: x[0], out)
+    np.testing.assert_allclose(dense(first),
+                               factor * (dense(g1) + dense(g2)), rtol=1e-6)
+  cast = eval(fixes[4], env)   # pylint: disable=eval-used
+  assert cast['t'].dtype == jnp.bfloat16 and cast['w'].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(cast['t'].ids),
+                                np.asarray(g1['t'].ids))
+  for good in (added, scaled, cast):   # each trains without an error
+    _step(lazy_optax.lazy_adam(0.1), good)
