@@ -403,3 +403,55 @@ def test_state_shardings_errors():
                                         {'u': None})
   with pytest.raises(ValueError, match='has no sharding'):
     lazy_optax.sharding.state_shardings(tx, {'t': np.zeros((4, 2))})
+
+
+# -- the first line says what happened and what to do ------------------------
+
+def _first_line(fn, error=Exception):
+  with pytest.raises(error) as info:
+    jax.block_until_ready(fn())
+  return str(info.value).splitlines()[0]
+
+
+def test_the_first_line_of_each_error_names_what_happened_and_the_fix():
+  damaged = jax.tree.map(jnp.add, _grads((1, 3)), _grads((2, 4)))
+
+  def helper_step(change, tx):
+    def step(params, state):
+      updates, state = tx.update(change(_grads((1, 3))), state, params)
+      return lazy_optax.apply_updates(params, updates), state
+    params = _params()
+    return lambda: lazy_optax.perf.make_train_step(step)(params,
+                                                         tx.init(params))
+
+  tree_add = lambda g: jax.tree.map(jnp.add, g, _grads((2, 4)))
+  checked = lazy_optax.checks.with_id_checks(lazy_optax.lazy_adam(0.1))
+  out_of_range = lambda g: _grads((1, 7))
+  lines = {
+      # eager
+      'eager damaged ids': _first_line(lambda: _update(damaged), ValueError),
+      'eager out of range': _first_line(lambda: _grads((1, 9)), ValueError),
+      # at trace time
+      'cast ids': _first_line(lambda: jax.jit(_update)(jax.tree.map(
+          lambda x: x.astype(jnp.float16), _grads())), TypeError),
+      # from the step helper
+      'helper damaged ids': _first_line(
+          helper_step(tree_add, lazy_optax.lazy_adam(0.1)),
+          lazy_optax.checks.DamagedIdsError),
+      'helper checked mode': _first_line(
+          helper_step(out_of_range, checked), lazy_optax.checks.CheckError),
+  }
+  fixes = {
+      'eager damaged ids': 'combine gradient trees with '
+                           'lazy_optax.tree.add(g1, g2)',
+      'eager out of range': 'map ids into the table before the lookup',
+      'cast ids': 'cast the values only, jax.tree.map(lambda g: '
+                  'g.astype(dtype), grads, '
+                  'is_leaf=lazy_optax.tree.is_sparse_rows)',
+      'helper damaged ids': 'combine gradient trees with '
+                            'lazy_optax.tree.add(g1, g2)',
+      'helper checked mode': 'map ids into the table before the lookup',
+  }
+  for case, line in lines.items():
+    assert 'emb/table' in line or 'SparseRows' in line, (case, line)
+    assert fixes[case] in line, (case, line)

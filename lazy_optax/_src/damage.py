@@ -114,15 +114,16 @@ def report_if_damaged(all_intact: jax.Array, damaged: jax.Array, where: str,
   Returns:
     An int32 zero.
 
-  Inside `lazy_optax.perf.make_train_step` (at its trace's level) the
-  damage is returned as data instead (`refuse_when`): the step writes
-  nothing and the helper raises after it holds the state.
+  Inside `lazy_optax.perf.make_train_step` (at its trace's level, in the
+  default mode 'raise' when traced) the damage is returned as data instead
+  (`refuse_when`): the step writes nothing and the helper raises after it
+  holds the state.
   """
   def message(count):
     return validate.damaged_ids_message(where, count, total)
 
-  if refuse_when(~all_intact, DamagedIdsError, message,
-                 count=damaged.astype(jnp.int32)):
+  if _mode == 'raise' and refuse_when(~all_intact, DamagedIdsError, message,
+                                     count=damaged.astype(jnp.int32)):
     return jnp.zeros((), jnp.int32)
 
   def report(count):

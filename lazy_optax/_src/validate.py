@@ -175,7 +175,9 @@ def out_of_range_message(where: str, num_rows: int) -> str:
   where = where.replace('{', '{{').replace('}', '}}')
   return (f'{where}: id {{id}} at position {{position}} is out of range for '
           f'a table of {num_rows} rows ({{count}} ids out of range in all); '
-          f'ids outside [0, {num_rows}) touch no row.')
+          f'ids outside [0, {num_rows}) touch no row: map ids into the '
+          'table before the lookup (lazy_optax.IdTable maps unbounded ids '
+          'to rows), or give it more rows.')
 
 
 def indices_in_range(ids: Any, num_rows: int, where: str) -> None:
