@@ -99,3 +99,30 @@ def test_a_step_that_does_not_return_its_state_in_place_is_refused_at_trace():
   with pytest.raises(TypeError, match='output 0 has another tree structure'):
     step(params, state, ids)
   assert not params['t'].is_deleted()
+
+
+def test_a_step_donating_one_state_argument_hands_it_back():
+  """Flax-style: `step(state, ids) -> (state, loss)`, argument 0 donated."""
+  tx = lazy_optax.lazy_adam(0.1)
+
+  def step(state, ids, scale):
+    def loss_fn(p):
+      return jnp.sum((lazy_optax.lookup(p['t'], ids) @ p['w'] - 1.0) ** 2)
+    loss, grads = lazy_optax.value_and_grad(loss_fn)(state['params'])
+    grads = jax.tree.map(lambda x: x * scale, grads)   # 1e-30 damages ids
+    updates, opt = tx.update(grads, state['opt'], state['params'])
+    return {'params': lazy_optax.apply_updates(state['params'], updates),
+            'opt': opt}, loss
+
+  params = {'t': jnp.ones((8, 2)), 'w': jnp.ones((2,))}
+  state = {'params': params, 'opt': tx.init(params)}
+  run = lazy_optax.perf.make_train_step(step, donate_argnums=0)
+  state, _ = run(state, jnp.array([1, 2]), 1.0)
+  before = jax.tree.map(lambda x: np.array(x, copy=True), state)
+  with pytest.raises(lazy_optax.checks.DamagedIdsError) as e:
+    run(state, jnp.array([3, 4]), 1e-30)
+  assert state['params']['t'].is_deleted()   # donated, consumed
+  kept, _ = e.value.outputs
+  jax.tree.map(np.testing.assert_array_equal, kept, before)
+  again, _ = run(kept, jnp.array([3, 4]), 1.0)
+  assert not np.array_equal(again['params']['t'], before['params']['t'])

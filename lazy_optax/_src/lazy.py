@@ -117,13 +117,13 @@ def _check_dense_tables(leaves: _Leaves, skip_zero_rows: bool,
   `SparseRows` (the zeros_like accumulation); `explain_update` is told
   which tables take the dense rule."""
   context = row_context.context_of(extra_args)
-  explaining = context is not None and context.log is not None
+  log = context.log if context is not None else None
   for g, p, name in zip(leaves.grads, leaves.params, leaves.names):
     if isinstance(g, SparseRows) or skip_zero_rows or jnp.ndim(g) < 2:
       continue
     refused = p is not None and _grads.had_row_sparse_gradient(p)
-    if explaining:
-      context.log.append(row_context.Choice(
+    if log is not None:
+      log.append(row_context.Choice(
           name, 'tx', 'dense',
           _dense_table_message(name).replace('\n', ' ') if refused
           else _DENSE_RULE + '; a SparseRows gradient (from '

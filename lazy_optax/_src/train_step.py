@@ -365,26 +365,36 @@ def _kept_when_failed(out: Any, args: tuple[Any, ...],
                       refusals: damage.Refusals) -> Any:
   """`out` whose donated arguments' entries are the arguments when `failed`.
 
-  Leaves that only lazy_optax's gated writes changed are kept as they are
-  (they already equal the argument); the others are chosen with a `where`.
+  Output `k` holds argument `k`'s new value (a step that donates one
+  argument may return that value alone). Leaves that only lazy_optax's
+  gated writes changed are kept as they are (they already equal the
+  argument); the others are chosen with a `where`.
   """
-  outs = list(out) if isinstance(out, (tuple, list)) else [out]
+  single = not isinstance(out, (tuple, list)) or (
+      len(donated) == 1 and _same_structure(out, args[donated[0]]))
+  outs = [out] if single else list(out)
   for k in donated:
-    if k >= len(outs):
+    at = 0 if single else k
+    if at >= len(outs) or (single and len(donated) > 1):
       raise TypeError(_NOT_IN_PLACE.format(
           problem=f'it returns {len(outs)} value(s), none for argument {k}'))
-    structures: list[Any] = [jax.tree.structure(outs[k]),
-                             jax.tree.structure(args[k])]
-    if structures[0] != structures[1]:
+    if not _same_structure(outs[at], args[k]):
       raise TypeError(_NOT_IN_PLACE.format(
-          problem=f'output {k} has another tree structure than argument {k}'))
-
-    outs[k] = jax.tree.map(
+          problem=f'output {at} has another tree structure than argument '
+          f'{k}'))
+    outs[at] = jax.tree.map(
         functools.partial(_keep, k=k, failed=failed, refusals=refusals),
-        outs[k], args[k])
-  if isinstance(out, (tuple, list)):
-    return type(out)(outs)
-  return outs[0]
+        outs[at], args[k])
+  if single:
+    return outs[0]
+  if hasattr(out, '_fields'):  # a NamedTuple of outputs
+    return type(out)(*outs)
+  return type(out)(outs)
+
+
+def _same_structure(a: Any, b: Any) -> bool:
+  structures: list[Any] = [jax.tree.structure(a), jax.tree.structure(b)]
+  return structures[0] == structures[1]
 
 
 def _keep(new: Any, old: Any, k: int, failed: jax.Array,
