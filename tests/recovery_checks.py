@@ -99,13 +99,19 @@ def _batches():
           for _ in range(3)]
 
 
-def _make_step(tx, change):
-  def train_step(params, opt_state, ids):
+def _make_step(tx, change=None):
+  """A donated step; with `change`, its argument `case` picks the change
+  made to the gradients (0: none), one compiled program for every case."""
+  changes = [lambda g: g] + [WHEN_RUN[name] for name in WHEN_RUN]
+
+  def train_step(params, opt_state, ids, case):
     def loss_fn(p):
       rows = lazy_optax.lookup(p['t'], ids)
       return jnp.sum((rows @ p['w'] - 1.0) ** 2)
     loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(change(grads), opt_state, params)
+    if change is not None:
+      grads = jax.lax.switch(case, changes, grads)
+    updates, opt_state = tx.update(grads, opt_state, params)
     return lazy_optax.apply_updates(params, updates), opt_state, loss
 
   return lazy_optax.perf.make_train_step(train_step)
@@ -124,41 +130,33 @@ def _same(a, b):
 _MEMO = {}
 
 
-def _good(tx):
-  """The step without a change of the gradients, one per `tx`."""
-  if id(tx) not in _MEMO:
-    _MEMO[id(tx)] = (tx, _make_step(tx, lambda g: g))
-  return _MEMO[id(tx)][1]
+def _case(name):
+  return jnp.asarray(1 + list(WHEN_RUN).index(name) if name else 0,
+                     jnp.int32)
 
 
-def _reference(tx, good):
-  """Batches 0 and 2 only, as if batch 1 never came."""
-  key = ('reference', id(good))
-  if key not in _MEMO:
-    _MEMO[key] = _host(_run_reference(tx, good))
-  return _MEMO[key]
+def _reference(step, tx):
+  """Batches 0 and 2 only, as if batch 1 never came (once per step)."""
+  if id(step) not in _MEMO:
+    b = _batches()
+    params = _fresh()
+    state = tx.init(params)
+    params, state, _ = step(params, state, b[0], _case(None))
+    params, state, _ = step(params, state, b[2], _case(None))
+    _MEMO[id(step)] = _host((params, state))
+  return _MEMO[id(step)]
 
 
-def _run_reference(tx, good):
+def _refused(step, tx, bad_ids=None, name=None):
+  """Batch 0, a refused step (batch 1 changed by `name`, or `bad_ids`), then
+  batch 2 from the state the error handed back."""
   b = _batches()
   params = _fresh()
   state = tx.init(params)
-  params, state, _ = good(params, state, b[0])
-  params, state, _ = good(params, state, b[2])
-  return params, state
-
-
-def _when_run(name, tx):
-  """The bad step raises StepError; its outputs resume bit for bit."""
-  good = _good(tx)
-  bad = _make_step(tx, WHEN_RUN[name])
-  b = _batches()
-  params = _fresh()
-  state = tx.init(params)
-  params, state, _ = good(params, state, b[0])
+  params, state, _ = step(params, state, b[0], _case(None))
   before = _host((params, state))
   try:
-    bad(params, state, b[1])
+    step(params, state, b[1] if bad_ids is None else bad_ids, _case(name))
   except lazy_optax.checks.StepError as e:
     error = e
   else:
@@ -166,46 +164,30 @@ def _when_run(name, tx):
   deleted = params['t'].is_deleted()   # donated: consumed by the call
   params, state, _ = error.outputs
   kept = _same((params, state), before)
-  params, state, _ = good(params, state, b[2])
+  params, state, _ = step(params, state, b[2], _case(None))
   return {'raised': type(error).__name__,
           'first_line': str(error).splitlines()[0],
           'donated': bool(deleted), 'kept': kept,
-          'resumed': _same((params, state), _reference(tx, good))}
+          'resumed': _same((params, state), _reference(step, tx))}
 
 
 def _checked(tx):
   """Out-of-range ids in checked mode: CheckError, state kept."""
   checked_tx = lazy_optax.checks.with_id_checks(tx)
-  step = _good(checked_tx)
-  b = _batches()
-  params = _fresh()
-  state = checked_tx.init(params)
-  params, state, _ = step(params, state, b[0])
-  before = _host((params, state))
-  try:
-    step(params, state, jnp.asarray([1, 2, V + 3, 4, -1, 5], jnp.int32))
-  except lazy_optax.checks.CheckError as e:
-    error = e
-  else:
-    return {'error': 'out-of-range ids were not reported'}
-  params, state, _ = error.outputs
-  kept = _same((params, state), before)
-  params, state, _ = step(params, state, b[2])
-  return {'raised': type(error).__name__,
-          'first_line': str(error).splitlines()[0],
-          'kept': kept, 'resumed': _same((params, state),
-                                         _reference(checked_tx, step))}
+  step = _make_step(checked_tx)
+  return _refused(step, checked_tx,
+                  bad_ids=jnp.asarray([1, 2, V + 3, 4, -1, 5], jnp.int32))
 
 
 def _at_trace(name):
   """Refused at trace time: the donated inputs are still there."""
   tx = AT_TRACE[name]()
-  step = _make_step(tx, lambda g: g)
+  step = _make_step(tx)
   params = _fresh()
   try:
     state = tx.init(params)
     before = _host((params, state))
-    step(params, state, _batches()[0])
+    step(params, state, _batches()[0], _case(None))
   except (ValueError, TypeError) as e:
     first_line = str(e).splitlines()[0]
   else:
@@ -215,18 +197,13 @@ def _at_trace(name):
           'kept': intact and _same((params, state), before)}
 
 
-def run_cases(names=None):
-  """Every case (or those named); a dict of JSON-able results by case."""
+def run_cases():
+  """Every case; a dict of JSON-able results by case."""
   tx = lazy_optax.lazy_adam(0.1)
-  out = {}
   _MEMO.clear()
-  for name in names or list(WHEN_RUN) + ['checked_out_of_range'] + list(
-      AT_TRACE):
-    if name in WHEN_RUN:
-      out[name] = _when_run(name, tx)
-    elif name in AT_TRACE:
-      out[name] = _at_trace(name)
-    else:
-      out[name] = _checked(tx)
+  step = _make_step(tx, change=True)
+  out = {name: _refused(step, tx, name=name) for name in WHEN_RUN}
+  out['checked_out_of_range'] = _checked(tx)
+  out.update({name: _at_trace(name) for name in AT_TRACE})
   out['devices'] = jax.device_count()
   return out
