@@ -433,8 +433,11 @@ def test_damaged_ids_stop_the_jitted_step(name):
   params = {'t': _table()}
   # Default: an exception out of the jitted, donated step.
   step = jax.jit(_plain_step(change, tx), donate_argnums=(0, 1))
-  with pytest.raises(STOPPED_STEP_ERRORS, match=_STOPPED):
+  with pytest.raises(STOPPED_STEP_ERRORS, match=_STOPPED) as stopped:
     jax.block_until_ready(step(params, tx.init(params), g))
+  # The text says that the donated state is gone, and the recoverable way.
+  assert 'JAX deletes donated inputs' in str(stopped.value)
+  assert 'lazy_optax.perf.make_train_step' in str(stopped.value)
   # Checked mode: a CheckError carrying outputs in which no row moved.
   checked_tx = lazy_optax.checks.with_id_checks(tx)
   params = {'t': _table()}
