@@ -146,12 +146,13 @@ DONATED_LOST = (
 # -- errors as data: what make_train_step's compiled step returns ------------
 
 def _trace_state() -> Any:
-  """An opaque token of the current trace (equal within one trace level)."""
+  """An opaque token of the current trace (equal within one trace level);
+  None where JAX has no such token (then nothing is recorded)."""
   extend_core = getattr(getattr(jax, 'extend', None), 'core', None)
   get = getattr(extend_core, 'get_opaque_trace_state', None)
   if get is None:  # older JAX
-    get = jax.core.get_opaque_trace_state
-  return get(convention='nnx')
+    get = getattr(jax.core, 'get_opaque_trace_state', None)
+  return None if get is None else get(convention='nnx')
 
 
 class _Report(NamedTuple):
@@ -179,7 +180,7 @@ class Refusals:
     self._notes: dict[int, tuple[Any, Any, int]] = {}
 
   def here(self) -> bool:
-    return _trace_state() == self.top
+    return self.top is not None and _trace_state() == self.top
 
   def failed(self) -> Optional[jax.Array]:
     """Whether any recorded check failed (None: none was recorded)."""
