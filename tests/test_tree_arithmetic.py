@@ -467,5 +467,57 @@ def test_every_fix_the_messages_name_runs_on_a_dict():
   assert cast['t'].dtype == jnp.bfloat16 and cast['w'].dtype == jnp.bfloat16
   np.testing.assert_array_equal(np.asarray(cast['t'].ids),
                                 np.asarray(g1['t'].ids))
-  for good in (added, scaled, cast):   # each trains without an error
-    _step(lazy_optax.lazy_adam(0.1), good)
+  # Each also trains: test_the_documented_ways_run_on_a_dict runs them.
+
+
+def test_the_documented_ways_run_on_a_dict():
+  """docs/semantics.md's table of supported ways: every code of its "write"
+  column (those it marks as for one SparseRows aside) runs on a dict of
+  gradients, inside a jitted lazy step where it yields gradients."""
+  import pathlib   # pylint: disable=g-import-not-at-top
+  import re   # pylint: disable=g-import-not-at-top
+  text = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
+          'semantics.md').read_text()
+  table = text[text.index('| to | write | instead of |'):]
+  table = table[:table.index('\n\n')]
+  rows = [line.split(' | ')[1] for line in table.splitlines()[2:]]
+  codes = [c for row in rows for c in re.findall(r'`([^`]+)`', row)]
+  # Codes for one SparseRows, names, and the start of the next statement.
+  aside = {'g1 + g2', 'g * s', 'g.astype', 'SparseRows', 'jmp', 'unscale',
+           "'emb/table'", 'acc = g1'}
+  assert 'acc = g1' in codes
+  codes = [c for c in codes if c not in aside]
+  assert len(codes) == 8, codes
+  tx = lazy_optax.lazy_adam(0.1)
+
+  def run(code, g1, g2):
+    env = {'jax': jax, 'jnp': jnp, 'lazy_optax': lazy_optax, 'g1': g1,
+           'g2': g2, 'g': g2, 'grads': g1, 's': 0.5, 'tx': tx, 'k': 2,
+           'B': 2}
+    if code.startswith('acc = '):   # after acc = g1
+      exec('acc = g1\n' + code, env)   # pylint: disable=exec-used
+      return env['acc']
+    return eval(code, env)   # pylint: disable=eval-used
+
+  for code in codes:
+    if code.startswith('lazy_optax.wrappers.'):   # a transformation
+      multi = run(code, None, None)
+      state = multi.init(_params())
+      for ids in ([1, 2], [3, 2]):
+        _, state = jax.jit(multi.update)(_grads(ids), state, _params())
+      continue
+    if 'psum' in code or 'pmean' in code:
+      def grads_of(g1, g2, code=code):
+        stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), g1, g2)
+        out = jax.vmap(lambda g: run(code, g, g), axis_name='batch')(stacked)
+        return jax.tree.map(lambda x: x[0], out)
+    else:
+      grads_of = functools.partial(run, code)
+
+    def train(g1, g2, grads_of=grads_of, code=code):
+      grads = grads_of(g1, g2)
+      assert isinstance(grads['t'], SparseRows), code
+      return _step(tx, grads)   # trains without an error
+
+    params, _ = jax.jit(train)(_grads([1, 2]), _grads([3, 2]))
+    assert np.all(np.isfinite(params['t'])), code
