@@ -43,7 +43,11 @@ def add(*trees: Any) -> Any:
   of several microbatches or steps: dense leaves are added, the `SparseRows`
   of one table are concatenated (their dense arrays add up, since repeated
   ids mean "sum"), and a dense leaf plus a `SparseRows` is a dense leaf.
-  Memory grows with the number of ids, not with the table.
+  Memory grows with the number of ids, not with the table. Start an
+  accumulation from the first gradients, not from
+  `jax.tree.map(jnp.zeros_like, params)`: that makes a table's gradient
+  dense, which `lazy(...)` refuses for a table that `value_and_grad` gave a
+  `SparseRows`.
 
   Args:
     *trees: gradient trees of the same structure (a leaf may be a dense array
