@@ -302,7 +302,8 @@ def make_train_step(
     **jit_kwargs: other `jax.jit` arguments (`static_argnums`, ...).
 
   Returns:
-    The jitted step (with `jax.jit`'s `lower`).
+    The jitted step, with `lower` (`jax.jit`'s, of the program that runs:
+    its outputs are the pair `(step's outputs, its checks' flags or None)`).
 
   Example:
     >>> import jax, jax.numpy as jnp
