@@ -626,3 +626,22 @@ def test_checked_table_outside_checked_names_the_fix():
   assert 'lazy_optax.checks.checked(jax.jit(step))' in first
   assert 'lazy_optax.perf.make_train_step(step)' in first
   assert 'drop checked=True' in first
+
+
+def test_checked_table_in_make_train_step_keeps_its_state():
+  table = lazy_optax.IdTable(capacity=4, probe=4, eviction='none',
+                             checked=True)
+
+  def assign(state, ids, k):
+    slots, state, _ = table.assign(state, ids, step=k, ids_are_32bit=True)
+    return state, slots
+
+  step = lazy_optax.perf.make_train_step(assign, donate_argnums=0)
+  state, _ = step(table.init(), jax.device_put(np.arange(4, dtype=np.int32)),
+                  0)
+  before = jax.tree.map(lambda x: np.array(x, copy=True), state)
+  with pytest.raises(lazy_optax.checks.CheckError,
+                     match='^IdTable: 2 looked-up ids got no row') as e:
+    step(state, jax.device_put(np.arange(2, 6, dtype=np.int32)), 1)
+  kept, _ = e.value.outputs   # the table as it was before the step
+  jax.tree.map(np.testing.assert_array_equal, kept, before)
