@@ -256,8 +256,10 @@ class IdTable:
     eviction_log: entries of the ring of evicted ids read by
       `export_changes` (default `capacity`; 0 for none).
     seed: salt of the hashes (fixed for the life of a table).
-    checked: under `lazy_optax.checks.checked`, report (`CheckError`) a step in
-      which ids got no row for lack of room (a full table).
+    checked: under `lazy_optax.checks.checked` or in a step built with
+      `lazy_optax.perf.make_train_step`, report (`CheckError`) a step in
+      which ids got no row for lack of room (a full table); in another
+      jitted step, an error naming these two.
 
   Example:
     >>> import jax.numpy as jnp, numpy as np
