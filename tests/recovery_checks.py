@@ -78,6 +78,15 @@ AT_TRACE = {
 }
 
 
+# Changes of the gradients refused at trace time.
+AT_TRACE_CHANGES = {
+    'cast_ids': lambda g: jax.tree.map(lambda x: x.astype(jnp.bfloat16), g),
+    'zeros_like_params': lambda g: jax.tree.map(
+        lambda a, b: a + b, {'t': jnp.zeros((V, D)), 'w': jnp.zeros((D,))},
+        g, is_leaf=lazy_optax.tree.is_sparse_rows),
+}
+
+
 def _placed(params):
   """The params on one device, or the table split over 8 devices' rows."""
   if jax.device_count() < 8:
@@ -100,9 +109,12 @@ def _batches():
 
 
 def _make_step(tx, change=None):
-  """A donated step; with `change`, its argument `case` picks the change
-  made to the gradients (0: none), one compiled program for every case."""
+  """A donated step; with `change` True, its argument `case` picks the
+  change made to the gradients (0: none), one compiled program for every
+  case of WHEN_RUN; with a function, that change."""
   changes = [lambda g: g] + [WHEN_RUN[name] for name in WHEN_RUN]
+  if callable(change):
+    changes = [change]
 
   def train_step(params, opt_state, ids, case):
     def loss_fn(p):
@@ -181,8 +193,12 @@ def _checked(tx):
 
 def _at_trace(name):
   """Refused at trace time: the donated inputs are still there."""
-  tx = AT_TRACE[name]()
-  step = _make_step(tx)
+  if name in AT_TRACE:
+    tx = AT_TRACE[name]()
+    step = _make_step(tx)
+  else:
+    tx = lazy_optax.lazy_adam(0.1)
+    step = _make_step(tx, AT_TRACE_CHANGES[name])
   params = _fresh()
   try:
     state = tx.init(params)
@@ -204,6 +220,7 @@ def run_cases():
   step = _make_step(tx, change=True)
   out = {name: _refused(step, tx, name=name) for name in WHEN_RUN}
   out['checked_out_of_range'] = _checked(tx)
-  out.update({name: _at_trace(name) for name in AT_TRACE})
+  out.update({name: _at_trace(name)
+              for name in list(AT_TRACE) + list(AT_TRACE_CHANGES)})
   out['devices'] = jax.device_count()
   return out

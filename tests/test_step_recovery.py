@@ -33,9 +33,14 @@ def _assert_recovered(results):
   assert got.get('raised') == 'CheckError', got
   assert got['kept'] and got['resumed'], got
   assert got['first_line'].startswith('SparseRows for parameter t: id 19')
-  for name in recovery_checks.AT_TRACE:
+  for name in (list(recovery_checks.AT_TRACE)
+               + list(recovery_checks.AT_TRACE_CHANGES)):
     got = results[name]
     assert got.get('intact') and got['kept'], (name, got)
+  assert results['cast_ids']['first_line'].startswith(
+      'The row ids of parameter t were cast to bfloat16')
+  assert results['zeros_like_params']['first_line'].startswith(
+      'Parameter t gets a dense gradient, but lazy_optax.value_and_grad')
 
 
 def test_refused_steps_keep_the_state_on_one_device():
