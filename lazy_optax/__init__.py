@@ -37,7 +37,7 @@ from lazy_optax._src.cowclip import cowclip
 from lazy_optax._src.cowclip import id_counts
 from lazy_optax._src.cowclip import lazy_adam_cowclip
 from lazy_optax._src.ftrl import ftrl
-from lazy_optax._src.ftrl import FtrlState
+from lazy_optax._src.ftrl import ScaleByFtrlState
 from lazy_optax._src.grads import value_and_grad
 from lazy_optax._src.impls import explain_update
 from lazy_optax._src.impls import kernel_status
@@ -55,10 +55,10 @@ from lazy_optax._src.rowwise_adagrad_with_counter import (
     rowwise_adagrad_with_counter,
 )
 from lazy_optax._src.rowwise_adagrad_with_counter import (
-    RowwiseAdagradWithCounterState,
+    ScaleByRowwiseAdagradWithCounterState,
 )
 from lazy_optax._src.rowwise_rmsprop_ar import rowwise_rmsprop_ar
-from lazy_optax._src.rowwise_rmsprop_ar import RowwiseRmspropArState
+from lazy_optax._src.rowwise_rmsprop_ar import ScaleByRowwiseRmspropArState
 from lazy_optax._src.sparse_rows import SparseRows
 
 # isort: split
@@ -94,14 +94,14 @@ __all__ = (
     'scale_by_rowwise_adagrad',
     'ScaleByRowwiseAdagradState',
     'rowwise_adagrad_with_counter',
-    'RowwiseAdagradWithCounterState',
+    'ScaleByRowwiseAdagradWithCounterState',
     'partial_rowwise_adam',
     'scale_by_partial_rowwise_adam',
     'ScaleByPartialRowwiseAdamState',
     'ftrl',
-    'FtrlState',
+    'ScaleByFtrlState',
     'rowwise_rmsprop_ar',
-    'RowwiseRmspropArState',
+    'ScaleByRowwiseRmspropArState',
     # Row rules without state, placed in a chain inside lazy(...).
     'cowclip',
     'lazy_adam_cowclip',
@@ -157,6 +157,12 @@ _MOVED = {
          scale_by_adam_with_counter),
         ('ScaleByRowAdamState', 'ScaleByAdamWithCounterState',
          ScaleByAdamWithCounterState),
+        ('RowwiseAdagradWithCounterState',
+         'ScaleByRowwiseAdagradWithCounterState',
+         ScaleByRowwiseAdagradWithCounterState),
+        ('RowwiseRmspropArState', 'ScaleByRowwiseRmspropArState',
+         ScaleByRowwiseRmspropArState),
+        ('FtrlState', 'ScaleByFtrlState', ScaleByFtrlState),
         # TensorFlow/Keras helpers, in lazy_optax.compat since 0.2.
         ('clipnorm', 'compat.clipnorm', compat.clipnorm),
         ('clipvalue', 'compat.clipvalue', compat.clipvalue),

@@ -9,6 +9,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import slow_tests  # noqa: E402  (from this directory, put on the path above)
+
 # Subprocesses (the 8-device checks, the guides' snippets) import the package
 # of this checkout, as this process does, not whichever copy is installed.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -139,3 +141,21 @@ def _cpu_kernels_on_the_cpu(request):
     return
   with jax.default_device(jax.devices('cpu')[0]):
     yield
+
+
+# --- The fast inner loop ------------------------------------------------------
+#
+# `python3 -m pytest -m 'not slow'` leaves out the tests that
+# `tests/slow_tests.py` names (measured: the slowest of the suite); the
+# README's `python3 -m pytest -q` runs everything. The marker is registered
+# in pyproject.toml.
+
+
+def pytest_collection_modifyitems(config, items):
+  del config
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  for item in items:
+    path = os.path.relpath(str(item.path), root).replace(os.sep, '/')
+    name = getattr(item, 'originalname', None) or item.name.split('.')[-1]
+    if slow_tests.is_slow(path, name):
+      item.add_marker(pytest.mark.slow)

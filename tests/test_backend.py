@@ -188,6 +188,25 @@ def test_stochastic_rounding_follows_the_update_backend():
       auto.lower({'t': base}, ids, values).as_text())
 
 
+def test_a_gradients_impl_is_in_its_structure_and_in_the_step():
+  """Two gradients whose rows move differently (their `impl`) have different
+  tree structures, so a jitted step compiles each its own program: one
+  without a C++ call, one with the kernel's scatter-add; an update of
+  `lazy(...)` moves its rows as its gradient does."""
+  ids, values = next(_batches(1))
+  params = {'t': jnp.asarray(_table())}
+  add = jax.jit(lazy_optax.apply_updates)
+  tx = lazy_optax.lazy(optax.sgd(LR))
+  targets = {}
+  for impl in ('xla', 'auto'):
+    grads = {'t': lazy_optax.SparseRows(ids, values, NUM_ROWS, impl=impl)}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    assert jax.tree.structure(updates) == jax.tree.structure(grads)
+    targets[impl] = _targets(add.lower(params, updates).as_text())
+  assert targets['xla'] == []
+  assert 'lazy_optax_LazyOptaxScatterAdd' in targets['auto'], targets
+
+
 # --- explain_update against the compiled program ----------------------------
 
 _LABELS = lazy_optax.tree.path_labels(

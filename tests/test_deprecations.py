@@ -37,6 +37,10 @@ MOVED = {
     'row_adam': 'lazy_optax.adam_with_counter',
     'scale_by_row_adam': 'lazy_optax.scale_by_adam_with_counter',
     'ScaleByRowAdamState': 'lazy_optax.ScaleByAdamWithCounterState',
+    'RowwiseAdagradWithCounterState':
+        'lazy_optax.ScaleByRowwiseAdagradWithCounterState',
+    'RowwiseRmspropArState': 'lazy_optax.ScaleByRowwiseRmspropArState',
+    'FtrlState': 'lazy_optax.ScaleByFtrlState',
     # Silent aliases in 0.1; they warn since 0.2.
     'clipnorm': 'lazy_optax.compat.clipnorm',
     'clipvalue': 'lazy_optax.compat.clipvalue',

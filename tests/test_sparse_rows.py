@@ -6,6 +6,7 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 import lazy_optax
@@ -348,3 +349,71 @@ def test_value_and_grad_sums_duplicates_once_per_id(jit):
   per_slot = weights.astype(np.float64)
   per_slot[named] += table[ids[named]]
   _check_summed(grads['table'], *_segment_sum(ids, per_slot, skip=[_PADDING]))
+
+
+# -- no hidden state: what a SparseRows carries is in its pytree -------------
+
+def _round_trip(g):
+  leaves, treedef = jax.tree_util.tree_flatten(g)
+  return jax.tree_util.tree_unflatten(treedef, leaves), treedef
+
+
+def _slots(x):
+  return {name: getattr(x, name) for name in type(x).__slots__}
+
+
+def test_gradients_that_move_rows_differently_differ_in_structure():
+  ids, values = jnp.array([3, 1, 3]), jnp.ones((3, 2))
+  auto = SparseRows(ids, values, 5)
+  xla = SparseRows(ids, values, 5, impl='xla')
+  assert (auto.impl, xla.impl) == ('auto', 'xla')
+  assert SparseRows(ids, values, 5, impl='generic').impl == 'xla'
+  # A jit cache keyed by the tree structure tells them apart ...
+  assert jax.tree.structure(auto) != jax.tree.structure(xla)
+  # ... and equal choices share one structure (one compiled program).
+  assert jax.tree.structure(auto) == jax.tree.structure(
+      SparseRows(jnp.array([0]), jnp.zeros((1, 2)), 5))
+  # Tree arithmetic across the two is refused by JAX, not merged silently.
+  with pytest.raises(ValueError):
+    jax.tree.map(jnp.add, auto, xla)
+
+
+def test_round_trip_keeps_everything_it_carries():
+  table = jnp.zeros((5, 2))
+  for g in (SparseRows(jnp.array([3, 1, 3]), jnp.arange(6.).reshape(3, 2), 5,
+                       impl='xla'),
+            0.5 * SparseRows(jnp.array([4]), jnp.ones((1, 2)), 5)):
+    back, treedef = _round_trip(g)
+    assert jax.tree.structure(back) == treedef
+    assert (back.num_rows, back.impl) == (g.num_rows, g.impl)
+    np.testing.assert_array_equal(back.code, g.code)
+    np.testing.assert_array_equal(back.ids, g.ids)
+    np.testing.assert_array_equal(back.values, g.values)
+    np.testing.assert_array_equal(table + back, table + g)
+
+
+def test_lazy_update_keeps_its_gradients_impl():
+  # The update's row moves are its gradient's: a lax.cond between the
+  # gradient's zeros and the update (optax.apply_if_finite) has one
+  # structure, and apply_updates follows the same choice.
+  params = {'t': jnp.zeros((6, 2))}
+  for impl in ('auto', 'xla'):
+    tx = optax.apply_if_finite(lazy_optax.lazy_adam(0.1), 2)
+    g = {'t': SparseRows(jnp.array([1, 4]), jnp.ones((2, 2)), 6, impl=impl)}
+    updates, _ = jax.jit(tx.update)(g, tx.init(params), params)
+    assert updates['t'].impl == impl
+    assert jax.tree.structure(updates) == jax.tree.structure(g)
+
+
+def test_reading_changes_nothing():
+  for g in (SparseRows(jnp.array([2, 0]), jnp.ones((2, 3)), 4),
+            _round_trip(SparseRows(jnp.array([2]), jnp.ones((1, 3)), 4))[0]):
+    before = _slots(g), _slots(g._ids)
+    _ = g.code, g.ids, g.decoded(), jax.tree.leaves(g), repr(g), g.to_dense()
+    jax.jit(lambda g: g.ids)(g)
+    after = _slots(g), _slots(g._ids)
+    for old, new in zip(before, after):
+      assert old.keys() == new.keys()
+      assert all(old[k] is new[k] for k in old), (old, new)
+    with pytest.raises(AttributeError):
+      g._ids.leaf = None

@@ -4,9 +4,7 @@
 `impl=` asked for (its own and its rule's) and from where the table lives
 (`placement.py`), and hands it, as a value, to everything that touches the
 table's rows: the deduplication of ids read back from a code, the gathers,
-the rule's update, the write-back, and the update's scatter-add (a
-`SparseRows` update carries its table's backend to `apply_updates` and
-`apply_updates_stochastic`).
+the rule's update and the write-back.
 
 - `'cpu_kernel'`: the rule's C++ kernel updates the tables in place; on one
   CPU device the row moves (dedup, gather, write-back, scatter-add,
@@ -18,14 +16,16 @@ the rule's update, the write-back, and the update's scatter-add (a
   `lazy(...)`'s write-back.
 
 Code that touches rows outside `lazy(...)` (a gradient built by
-`SparseRows(...)`, `apply_updates` of an update rebuilt from its leaves)
-has no table decision to follow: it takes `for_array(x, impl)`, the same
-rule with the `impl=` it was given (`'auto'` by default).
+`SparseRows(...)`, `apply_updates` of an update) follows the `SparseRows`'s
+own `impl` (`'auto'` or `'xla'`, part of its tree structure, given where
+the gradient is built and kept by `lazy(...)`'s update): `for_array(x,
+impl)`, the same rule with that `impl=`. `lazy(...)` moves a table's rows
+with XLA where it, a rule or the gradient asks for `'xla'`.
 """
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -34,8 +34,7 @@ from lazy_optax._src import cpu_kernels
 from lazy_optax._src.placement import Placement
 from lazy_optax._src.placement import placement
 
-__all__ = ('Backend', 'Placement', 'placement', 'decide', 'for_array',
-           'RowMoves')
+__all__ = ('Backend', 'Placement', 'placement', 'decide', 'for_array')
 
 KINDS = ('cpu_kernel', 'xla', 'generic')
 
@@ -208,36 +207,3 @@ def for_array(x: Any, impl: str = 'auto') -> Backend:
   kernels = impl in ('auto', 'cpu_kernel') and row_kernels_allowed(where)
   return Backend('cpu_kernel' if kernels else 'xla',
                  f"impl='{impl}' where the array lives", kernels, where)
-
-
-class RowMoves:
-  """An update's row-move decision, carried through JAX's rebuilds.
-
-  Part of a `SparseRows`'s pytree aux data so that an update `lazy(...)`
-  made keeps its table's decision when a wrapper rebuilds it from leaves
-  (`optax.apply_if_finite`'s `lax.cond`, `optax.partition`). It compares
-  equal to every other: the two branches of a `lax.cond` (an update and
-  the zeros of a gradient) must have one tree structure.
-  """
-  __slots__ = ('row_kernels',)
-
-  def __init__(self, backend: Optional[Backend]):
-    self.row_kernels = None if backend is None else backend.row_kernels
-
-  def __eq__(self, other: Any) -> bool:
-    return isinstance(other, RowMoves)
-
-  def __hash__(self) -> int:
-    return hash(RowMoves)
-
-  def __repr__(self) -> str:
-    return f'RowMoves({self.row_kernels})'
-
-  def backend(self) -> Optional[Backend]:
-    """The `Backend` of the row moves, or None (no decision carried)."""
-    if self.row_kernels is None:
-      return None
-    return Backend(
-        'cpu_kernel' if self.row_kernels else 'xla',
-        "the table's decision, carried by its update", self.row_kernels,
-        Placement('one'))

@@ -51,7 +51,7 @@ from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import compute_dtype
 
 
-class FtrlState(NamedTuple):
+class ScaleByFtrlState(NamedTuple):
   """State of `ftrl`: step count, `n` and `z` per entry."""
   count: chex.Array  # int32 scalar, the global step
   accumulator: optax.Updates  # n: sum of squared gradients (+ initial value)
@@ -139,7 +139,7 @@ def _ftrl_rule(
   rule = _rule()
 
   def init_fn(params):
-    return FtrlState(
+    return ScaleByFtrlState(
         count=jnp.zeros([], jnp.int32),
         accumulator=optax.tree_utils.tree_full_like(
             params, initial_accumulator_value, dtype=accumulator_dtype),
@@ -159,7 +159,8 @@ def _ftrl_rule(
         dict(lr=lr, power=-learning_rate_power, l1=l1, l2=l2,
              l2_shrinkage=l2_shrinkage, beta=beta), impl,
         context=row_context.context_of(extra_args))
-    return new_updates, FtrlState(optax.safe_increment(state.count), **new)
+    return new_updates, ScaleByFtrlState(optax.safe_increment(state.count),
+                                         **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -212,7 +213,7 @@ def ftrl(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
-    `FtrlState(count, accumulator, linear)`; `update` needs `params`.
+    `ScaleByFtrlState(count, accumulator, linear)`; `update` needs `params`.
 
   Example:
     >>> import jax.numpy as jnp

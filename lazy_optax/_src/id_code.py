@@ -372,27 +372,33 @@ class RowIds:
 
   `given`: distinct ids that the library built (trusted, never checked);
   `leaf`: an id code rebuilt from pytree leaves (checked where it is
-  consumed). The code of concrete given ids is encoded once, with NumPy;
-  traced ones are encoded at each read, in the trace that reads them.
+  consumed). The code of concrete given ids is encoded once, with NumPy,
+  when it is made; traced ones are encoded at each read, in the trace that
+  reads them. Nothing changes on read.
   """
 
-  __slots__ = ('given', 'leaf', '_memo')
-  _memo: Any
+  __slots__ = ('given', 'leaf', '_encoded')
+  given: Any
+  leaf: Any
+  _encoded: Any
 
   def __init__(self, given: Any = None, leaf: Any = None):
-    self.given, self.leaf, self._memo = given, leaf, None
+    code = None
+    if given is not None and not isinstance(given, jax.core.Tracer):
+      code = encode(given)  # once, when made: reading changes nothing
+    for name, value in zip(self.__slots__, (given, leaf, code)):
+      object.__setattr__(self, name, value)
+
+  def __setattr__(self, name: str, value: Any) -> None:
+    raise AttributeError(f'RowIds is immutable (setting {name}).')
 
   def code(self) -> Any:
     """The id code `[N, C]`: the form the ids take as a pytree leaf."""
     if self.given is None:
       return self.leaf
-    memo = self._memo
-    if memo is None or memo.is_deleted():  # (donated to a jitted call)
-      memo = encode(self.given)
-      if isinstance(memo, jax.core.Tracer):
-        return memo  # never kept: it belongs to one trace
-      self._memo = memo
-    return memo
+    if self._encoded is None or self._encoded.is_deleted():  # (donated)
+      return encode(self.given)  # traced: in the trace that reads it
+    return self._encoded
 
   def decoded(self, num_rows: int) -> Decoded:
     """The ids, and per entry whether it is intact and whether it is empty."""

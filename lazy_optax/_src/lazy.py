@@ -197,16 +197,17 @@ def _put_back(old: jax.Array, new: jax.Array, row: _RowLeaf,
 
 
 def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
-                 new_updates: Any,
-                 backends: Optional[dict[int, _backend.Backend]],
-                 context: row_context.RowContext) -> Any:
+                 new_updates: Any, context: row_context.RowContext) -> Any:
   out = leaves.treedef.flatten_up_to(new_updates)
   for i, row in rows.items():
     if row.ids is not None:
       how = context.fused_add(out[i])  # a rule's rows, as it returned them
+      # The update's rows move as its gradient's (`impl`, part of the tree
+      # structure): a `lax.cond` between the two (`optax.apply_if_finite`)
+      # has one tree structure.
       out[i] = SparseRows.from_unique(
           row.ids, out[i], leaves.grads[i].num_rows, distinct=True,
-          backend=backends.get(i) if backends else None)
+          impl=leaves.grads[i].impl)
       if how is not None:
         out[i] = out[i].with_fused_add(how)
     else:
@@ -275,12 +276,13 @@ def _table_of(pos: int, leaves: _Leaves, state_leaves: list[Any],
   return leaves.grads[pos].values
 
 
-def _decide_table(table: Any, name: str, impl: str,
+def _decide_table(table: Any, name: str, impl: str, grad_impl: str,
                   requests: list[row_context.Request], lost: bool
                   ) -> tuple[_backend.Backend, dict[str, _backend.Backend]]:
-  """One table's backend: its row moves, and each rule's update."""
+  """One table's backend: its row moves (XLA's where `lazy`, a rule or the
+  gradient asks for them), and each rule's update."""
   where = _backend.placement(table)
-  asked = [impl] + [r.impl for r in requests]
+  asked = [impl, grad_impl] + [r.impl for r in requests]
   row_kernels = (not {'xla', 'generic'} & set(asked)
                  and _backend.row_kernels_allowed(where))
   moves = _backend.Backend('generic', 'lazy(...) moves the rows',
@@ -318,7 +320,7 @@ def _decide(leaves: _Leaves, state: Any, impl: str,
     name = leaves.names[pos]
     plan.tables[pos], plan.rules[pos] = _decide_table(
         _table_of(pos, leaves, state_leaves, owners), name, impl,
-        requests.get(name, []), name in lost)
+        leaves.grads[pos].impl, requests.get(name, []), name in lost)
   return plan
 
 
@@ -421,7 +423,7 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
   new_state = _new_state(blocks, state, new_row_state, owners)
   _note_writes(state, new_state, owners, rows, seen)
   _record_unfused(blocks, owners)
-  return (_row_updates(leaves, rows, new_updates, moves, context),
+  return (_row_updates(leaves, rows, new_updates, context),
           new_state, context)
 
 

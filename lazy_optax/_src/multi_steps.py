@@ -171,7 +171,8 @@ def _accumulated_grads(acc: Any, updates: Any) -> Any:
   them first, as for any gradient.
   """
   return jax.tree.map(
-      lambda a, g: SparseRows.from_unique(a.ids, a.values, g.num_rows)
+      lambda a, g: SparseRows.from_unique(a.ids, a.values, g.num_rows,
+                                          impl=g.impl)
       if isinstance(a, RowBuffer) else a, acc, updates, is_leaf=_is_leaf)
 
 

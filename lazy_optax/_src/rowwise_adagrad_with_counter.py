@@ -58,7 +58,7 @@ LEARNING_RATE_MODES = ('equal', 'tail_id_lr_increase', 'tail_id_lr_decrease',
                        'counter_sgd')
 
 
-class RowwiseAdagradWithCounterState(NamedTuple):
+class ScaleByRowwiseAdagradWithCounterState(NamedTuple):
   """State of `rowwise_adagrad_with_counter`."""
   count: chex.Array  # int32 scalar, the global step (FBGEMM's `iter`)
   sum_of_squares: optax.Updates  # [num_rows] per parameter
@@ -294,7 +294,7 @@ def _transform(learning_rate: optax.ScalarOrSchedule, cfg: _Config,
   rule = _rule(cfg)
 
   def init_fn(params):
-    return RowwiseAdagradWithCounterState(
+    return ScaleByRowwiseAdagradWithCounterState(
         count=jnp.zeros([], jnp.int32),
         sum_of_squares=jax.tree.map(
             lambda p: per_row_full(p, accumulator_dtype), params),
@@ -329,7 +329,7 @@ def _transform(learning_rate: optax.ScalarOrSchedule, cfg: _Config,
         params if rule.needs_params else None, hyper, impl,
         leaf_hyper=leaf_hyper,
         context=row_context.context_of(extra_args))
-    return new_updates, RowwiseAdagradWithCounterState(
+    return new_updates, ScaleByRowwiseAdagradWithCounterState(
         count, max_counter=max_counter,
         counter_peak=_peak(new['row_counter'], state.counter_peak), **new)
 
@@ -392,7 +392,7 @@ def rowwise_adagrad_with_counter(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose state holds a
-    `RowwiseAdagradWithCounterState`.
+    `ScaleByRowwiseAdagradWithCounterState`.
 
   Raises:
     ValueError: for an unknown mode, a negative rate, a non-integer

@@ -45,7 +45,7 @@ from lazy_optax._src.numerics import per_row_full
 from lazy_optax._src.numerics import row_mean_square
 
 
-class RowwiseRmspropArState(NamedTuple):
+class ScaleByRowwiseRmspropArState(NamedTuple):
   """State of `rowwise_rmsprop_ar`."""
   count: chex.Array  # int32 scalar, the global step (updates done)
   nu: optax.Updates  # [num_rows] per parameter: v, the EMA of mean(g^2)
@@ -123,7 +123,7 @@ def _rowwise_rmsprop_ar_rule(
   rule = _rule()
 
   def init_fn(params):
-    return RowwiseRmspropArState(
+    return ScaleByRowwiseRmspropArState(
         count=jnp.zeros([], jnp.int32),
         nu=jax.tree.map(lambda p: per_row_full(p, accumulator_dtype), params),
         prev_iter=jax.tree.map(lambda p: per_row_full(p, jnp.int32), params))
@@ -144,7 +144,7 @@ def _rowwise_rmsprop_ar_rule(
         rule, updates, {'nu': state.nu, 'prev_iter': state.prev_iter}, params,
         hyper, impl,
         context=row_context.context_of(extra_args))
-    return new_updates, RowwiseRmspropArState(count, **new)
+    return new_updates, ScaleByRowwiseRmspropArState(count, **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -183,8 +183,9 @@ def rowwise_rmsprop_ar(
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with state
-    `RowwiseRmspropArState(count, nu, prev_iter)` (`nu` holds `v`, the slot
-    `'v'` of `lazy_optax.compat.get_slot`); its `update` needs `params`.
+    `ScaleByRowwiseRmspropArState(count, nu, prev_iter)` (`nu` holds `v`,
+    the slot `'v'` of `lazy_optax.compat.get_slot`); its `update` needs
+    `params`.
 
   Raises:
     ValueError: naming an argument out of its range.

@@ -20,6 +20,15 @@ if TYPE_CHECKING:
   from lazy_optax._src.row_context import FusedAdd
 
 
+_XLA = backend_lib.Backend('xla', "the rows' impl='xla'", False,
+                           backend_lib.Placement('one'))
+
+
+def _moves(impl: str) -> str:
+  """How the rows of a `SparseRows` built with `impl` move: 'auto' or 'xla'."""
+  return 'xla' if impl in ('xla', 'generic') else 'auto'
+
+
 @jax.tree_util.register_pytree_with_keys_class
 class SparseRows(metaclass=validate.SparseRowsClass):
   """A row-sparse gradient or update of a `[num_rows, *row_shape]` array.
@@ -40,8 +49,11 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     ids: integer array of shape `[N]`, the row ids (duplicates allowed).
     values: array of shape `[N, *row_shape]`, one row per id.
     num_rows: static Python int, the row count of the dense array.
-    impl: how repeated ids are summed: `'auto'` (the C++ kernel on one CPU
-      device where it is loaded, else XLA), `'xla'` or `'generic'` (XLA).
+    impl: how its rows move (repeated ids summed here, and where it is
+      deduplicated again or added to an array): `'auto'` (the C++ kernels
+      on one CPU device where they are loaded, else XLA), `'xla'` or
+      `'generic'` (XLA). Kept as its `impl` (`'auto'` or `'xla'`), part of
+      its tree structure, through tree arithmetic and `lazy(...)`'s update.
 
   Example:
     >>> import jax.numpy as jnp
@@ -55,11 +67,11 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     Array([1., 1., 1., 1.], dtype=float32)
   """
 
-  __slots__ = ('_ids', 'values', 'num_rows', '_backend', '_fused')
+  __slots__ = ('_ids', 'values', 'num_rows', 'impl', '_fused')
   _ids: id_code.RowIds
   values: jax.Array
   num_rows: int
-  _backend: Optional[backend_lib.Backend]
+  impl: str
   _fused: Optional[FusedAdd]
 
   __array_ufunc__ = None  # numpy defers `ndarray + SparseRows` to __radd__
@@ -71,13 +83,12 @@ class SparseRows(metaclass=validate.SparseRowsClass):
         ids, values, num_rows, indices, impl)
     ids, values = _distinct.from_ids(ids.astype(index_dtype(num_rows)), values,
                                     num_rows, impl)
-    self._fill(id_code.RowIds(given=ids), values, num_rows)
+    self._fill(id_code.RowIds(given=ids), values, num_rows, _moves(impl))
 
   def _fill(self, ids: id_code.RowIds, values: Any, num_rows: int,
-            backend: Optional[backend_lib.Backend] = None,
-            fused: Optional[FusedAdd] = None) -> None:
+            impl: str, fused: Optional[FusedAdd] = None) -> None:
     for name, value in zip(self.__slots__,
-                           (ids, values, num_rows, backend, fused)):
+                           (ids, values, num_rows, impl, fused)):
       object.__setattr__(self, name, value)
 
   @classmethod
@@ -87,7 +98,7 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     return obj
 
   def _with_values(self, values: Any) -> SparseRows:
-    return self._made(self._ids, values, self.num_rows, self._backend)
+    return self._made(self._ids, values, self.num_rows, self.impl)
 
   def with_fused_add(self, fused: FusedAdd) -> SparseRows:
     """The same update, added to `fused.table` by `fused.add` (one pass).
@@ -95,18 +106,19 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     Args:
       fused: how these rows add themselves to the table they were computed
         from (`row_context.FusedAdd`); `add_to` uses it for that very array.
-        Scaling, tree arithmetic and pytree round trips drop it.
+        Scaling, tree arithmetic and pytree round trips drop it: it changes
+        no value (the plain scatter-add gives the same bits), only how
+        `add_to` computes it within the trace that made it.
 
     Returns:
       A `SparseRows` with the same ids and values.
     """
-    return self._made(self._ids, self.values, self.num_rows, self._backend,
+    return self._made(self._ids, self.values, self.num_rows, self.impl,
                       fused)
 
   @classmethod
   def from_unique(cls, ids: jax.Array, values: jax.Array, num_rows: int, *,
                   distinct: bool = False,
-                  backend: Optional[backend_lib.Backend] = None,
                   impl: str = 'auto') -> SparseRows:
     """A `SparseRows` of the library's own: no range checks (ids may hold
     `num_rows`, no row); repeated ids are summed, unless `distinct`.
@@ -117,8 +129,8 @@ class SparseRows(metaclass=validate.SparseRowsClass):
       num_rows: the row count of the dense array.
       distinct: whether `(ids, values)` are a deduplication's output (no row
         id twice, zeros in the slots that name no row).
-      backend: the table's `Backend` (see `backend`).
-      impl: for the deduplication when not `distinct` (see `SparseRows`).
+      impl: how its rows move, the deduplication's when not `distinct`
+        (see `SparseRows`).
 
     Returns:
       A `SparseRows`.
@@ -127,7 +139,8 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     ids = jnp.asarray(ids).astype(index_dtype(num_rows))
     if not distinct:
       ids, values = _distinct.from_ids(ids, values, num_rows, impl)
-    return cls._made(id_code.RowIds(given=ids), values, num_rows, backend)
+    return cls._made(id_code.RowIds(given=ids), values, num_rows,
+                     _moves(impl))
 
   @classmethod
   def concatenate(cls, parts: Sequence[SparseRows]) -> SparseRows:
@@ -154,18 +167,21 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     first = parts[0]
     dtype = jnp.result_type(*(p.values.dtype for p in parts))
     values = jnp.concatenate([p.values.astype(dtype) for p in parts])
+    impl = 'xla' if any(p.impl == 'xla' for p in parts) else 'auto'
     if all(p.has_trusted_ids for p in parts):
       return cls.from_unique(jnp.concatenate([p.ids for p in parts]), values,
-                             first.num_rows)
+                             first.num_rows, impl=impl)
     code, values = _distinct.from_code(
-        jnp.concatenate([p.code for p in parts]), values, first.num_rows)
-    return cls._made(id_code.RowIds(leaf=code), values, first.num_rows)
+        jnp.concatenate([p.code for p in parts]), values, first.num_rows,
+        impl)
+    return cls._made(id_code.RowIds(leaf=code), values, first.num_rows, impl)
 
   has_trusted_ids = property(
       lambda self: self._ids.given is not None,
       doc='Whether the ids were given (by the library), not read from a code.')
-  backend = property(lambda self: self._backend, doc=(
-      "The table's `Backend` of an update made by `lazy(...)`, else None."))
+  backend = property(lambda self: _XLA if self.impl == 'xla' else None, doc=(
+      "The `Backend` its row moves follow: None where the array they touch "
+      "decides (`impl='auto'`), XLA's for `impl='xla'`."))
 
   code = property(
       lambda self: self._ids.code(),
@@ -185,9 +201,12 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     raise AttributeError(
         f'SparseRows is immutable: build a new one instead of setting {name}.')
 
-  # -- pytree protocol: leaves (code, values) ---------------------------------
-  def _aux(self) -> tuple[int, backend_lib.RowMoves]:
-    return self.num_rows, backend_lib.RowMoves(self._backend)
+  # -- pytree protocol: leaves (code, values), aux (num_rows, impl) ---------
+  # Everything it carries but `_fused` (see `with_fused_add`) is a leaf or
+  # aux data, compared as it is: two `SparseRows` whose rows move
+  # differently have different tree structures.
+  def _aux(self) -> tuple[int, str]:
+    return self.num_rows, self.impl
 
   def tree_flatten_with_keys(self):
     keys = map(jax.tree_util.GetAttrKey, ('code', 'values'))
@@ -199,9 +218,9 @@ class SparseRows(metaclass=validate.SparseRowsClass):
   @classmethod
   def tree_unflatten(cls, aux, children):
     # No validation: JAX rebuilds pytrees with arbitrary leaves.
-    num_rows, moves = aux
+    num_rows, impl = aux
     return cls._made(id_code.RowIds(leaf=children[0]), children[1], num_rows,
-                     moves.backend())
+                     impl)
 
   num_ids = property(lambda self: int(self.values.shape[0]),
                      doc='How many slots (id, row) this holds: `N`.')
@@ -264,10 +283,10 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     validate.same_shape(tuple(array.shape), self.shape, where)
     ids, seen = damage.gate(self.safe_ids(where), self.num_rows)
     if self._fused is not None and array is self._fused.table:
-      added = self._fused.add(array, ids, self.values, self._backend)
+      added = self._fused.add(array, ids, self.values, self.backend)
     else:
       added = row_ops.add(array, ids, self.values.astype(array.dtype),
-                          self._backend)
+                          self.backend)
     return damage.note(added, array, seen)
 
   def astype(self, dtype: Any) -> SparseRows:
