@@ -96,8 +96,15 @@ def machine() -> str:
 
 
 def _span(values: list[float], fmt: str) -> str:
-  """'v' for one value (or equal ones), else 'lo to hi'."""
-  lo, hi = format(min(values), fmt), format(max(values), fmt)
+  """'v' for one value (or equal ones), else 'lo to hi'; `fmt` 'ms' gives
+  three significant digits, whole numbers from 1,000 on."""
+
+  def text(v):
+    if fmt == 'ms':
+      return f'{v:,.0f}' if v >= 1000 else f'{v:.3g}'
+    return format(v, fmt)
+
+  lo, hi = text(min(values)), text(max(values))
   return lo if lo == hi else f'{lo} to {hi}'
 
 
@@ -114,7 +121,7 @@ def _cell(runs: list[dict], contender: str, base: str | None, sweep: str,
         ratios_.append(t / b)
   if not times:
     return ''
-  text = f'{_span(times, ".3g")} ms'
+  text = f'{_span(times, "ms")} ms'
   if ratios_:
     text += f' ({_span(ratios_, ".2f")}x)'
   return text
@@ -143,11 +150,13 @@ def summary(runs: list[dict]) -> str:
   """
   smoke = ' (SMOKE: small tables, not a measurement)' if any(
       r.get('smoke') for r in runs) else ''
+  after = [r.get('load_after', [math.nan])[0] for r in runs]
   head = (f'{len(runs)} run(s) of `benchmarks/run.py --mode '
           f'{runs[0]["mode"]}`{smoke}, started '
           f'{", ".join(r["started"] for r in runs)}, on '
           f'{runs[0].get("machine", "an unnamed machine")}; load average '
-          f'before {_span([r["load_before"][0] for r in runs], ".1f")}.')
+          f'before {_span([r["load_before"][0] for r in runs], ".1f")}, '
+          f'after {_span(after, ".1f")}.')
   lines = [head, '', '**A 1,000,000 x 64 float32 table, 4,096 Zipf ids a '
            'step**', '', *_summary_table(runs, SUMMARY_TARGET, 'target'),
            '', '**A DLRM-shaped model** (26 tables)', '',
@@ -172,11 +181,12 @@ def ratio_spans(runs: list[dict]) -> str:
       what = re.sub(r' \([0-9.e+-]+( s)? / [0-9.e+-]+ m?s,?[^)]*\)', '',
                     what)
       seen.setdefault((what, goal), []).append(value)
-  lines = [f'ratios over {len(runs)} run(s): lo to hi (goal)']
+  lines = [f'Every ratio over {len(runs)} run(s), lowest to highest (goal):',
+           '']
   for (what, goal), values in seen.items():
     got = [v for v in values if v is not None]
     span = _span(got, '.2f') + 'x' if got else 'n/a'
-    lines.append(f'  {what}: {span} ({goal})')
+    lines.append(f'- {what}: {span} ({goal})')
   return '\n'.join(lines)
 
 
@@ -655,7 +665,7 @@ def main() -> None:
       runs.append(json.load(f))
   if len(runs) == 1:
     write(runs[0], os.path.dirname(os.path.abspath(paths[0])))
-  print(summary(runs))
+  print(summary(runs) + '\n')
   print(ratio_spans(runs))
 
 
