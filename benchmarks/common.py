@@ -210,8 +210,8 @@ def interleave(steps: dict, plans: dict) -> dict:
 
   Example:
     >>> out = interleave({'a': lambda k: None}, {'a': (1, 3, 2, 0.0)})
-    >>> out['a']['n']
-    3
+    >>> out['a']['n']  # min_steps, the (zero) budget spent
+    2
   """
   samples: dict = {n: [] for n in steps}
   spent = dict.fromkeys(steps, 0.0)
