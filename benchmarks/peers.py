@@ -3,7 +3,7 @@
 TensorFlow 2.15 needs numpy < 2 and FBGEMM 1.9.0 needs torch 2.14.1, so
 neither can share the interpreter that runs lazy_optax. One command builds
 both virtual environments in a folder you choose (outside the repository;
-about 3.5 GB, most of it torch):
+about 7 GB on disk, 5.5 GB of it torch 2.14.1 and its CUDA libraries):
 
     python3 benchmarks/peers.py setup DIR
 
@@ -77,12 +77,17 @@ def setup(folder: str) -> list[str]:
   """Builds the venv of each peer in `folder/<peer>`; returns export lines.
 
   Args:
-    folder: where the environments go (created if missing).
+    folder: where the environments go (created if missing), outside the
+      repository.
 
   Returns:
     One `export VARIABLE=PATH` line a peer.
   """
   folder = os.path.abspath(folder)
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  if os.path.commonpath([folder, root]) == root:
+    raise SystemExit(f'{folder} is inside the repository: choose a folder '
+                     'outside it (the environments must not be committed)')
   lines = []
   for peer, (var, reqs, check) in PEERS.items():
     env_dir = os.path.join(folder, peer)

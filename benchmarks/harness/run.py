@@ -5,8 +5,8 @@ the peers' interpreters made by `python3 benchmarks/peers.py setup DIR`:
 
     export LAZY_OPTAX_TF_PYTHON=DIR/tf/bin/python
     export LAZY_OPTAX_FBGEMM_PYTHON=DIR/fbgemm/bin/python
-    python3 benchmarks/run.py --mode quick --out OUT   # a few minutes (2 cores)
-    python3 benchmarks/run.py --mode full --out OUT    # about 30 min (2 cores)
+    python3 benchmarks/run.py --mode quick --out OUT   # 8.5 to 10 min, 2 cores
+    python3 benchmarks/run.py --mode full --out OUT    # + opt step, sweeps
     python3 benchmarks/run.py --huge-pages --out OUT   # on huge pages
 
 Each configuration (a workload at 1 or 2 threads) runs in one `taskset`-pinned
