@@ -22,12 +22,12 @@ table that docs/performance.md shows is printed, then every ratio and goal.
 
 Target configuration (1,000,000 x 64 float32 table, 4,096 Zipf ids):
   lazy_sparse           lazy_optax.lazy_adam, SparseRows gradient, jit, donated
-  tf_lazy_adam          TF Addons LazyAdam, tf.function (needs --tf-python)
+  tf_lazy_adam          TF Addons LazyAdam, tf.function (needs its peer)
   torch_sparse          torch.optim.SparseAdam, nn.Embedding(sparse=True)
   optax_dense           optax.adam, dense gradient, jit, donated
   rowwise_adagrad       lazy_optax.rowwise_adagrad, SparseRows, jit, donated
   fbgemm_rowwise_adagrad  FBGEMM's CPU table-batched embedding with
-                        EXACT_ROWWISE_ADAGRAD (needs --fbgemm-python)
+                        EXACT_ROWWISE_ADAGRAD (needs its peer)
   lazy_sparse_nodonate  lazy_adam without donate_argnums (full mode)
   lazy_dense_skip       lazy(optax.adam, skip_zero_rows=True), dense gradient
                         (full mode)
