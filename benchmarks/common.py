@@ -185,3 +185,103 @@ def time_loop(step, n_batches: int, cfg: dict) -> dict:
     samples.append(time.perf_counter() - t0)
     k += 1
   return stats(samples)
+
+
+# -- interleaving -------------------------------------------------------------
+
+# Marks the lines of a contender process that carry its JSON answers (the
+# libraries may print lines of their own).
+MARK = '@@bench '
+
+
+def interleave(steps: dict, plans: dict) -> dict:
+  """Times several contenders' steps in turn, one step of each at a time.
+
+  Args:
+    steps: name -> `step(k)`, one step on batch `k` (any `k`: it wraps),
+      returning when the step is done.
+    plans: name -> `(warmup, steps, min_steps, budget_s)`: a contender takes
+      `warmup` untimed steps, then timed steps until it has `steps` of them,
+      or `min_steps` and `budget_s` seconds of its own step time.
+
+  Returns:
+    name -> `stats` of its timed steps, or `{'error': ...}` for a contender
+    whose step raised (it is dropped from the rest of the run).
+
+  Example:
+    >>> out = interleave({'a': lambda k: None}, {'a': (1, 3, 2, 0.0)})
+    >>> out['a']['n']  # min_steps, the (zero) budget spent
+    2
+  """
+  samples: dict = {n: [] for n in steps}
+  spent = dict.fromkeys(steps, 0.0)
+  out: dict = {}
+
+  def wants(n):
+    warmup, most, least, budget = plans[n]
+    got = len(samples[n])
+    return n not in out and got < most + warmup and (
+        got < least + warmup or spent[n] < budget)
+
+  k = 0
+  while any(wants(n) for n in steps):
+    for n in [n for n in steps if wants(n)]:
+      t0 = time.perf_counter()
+      try:
+        steps[n](k)
+      except Exception as e:  # pylint: disable=broad-except
+        out[n] = {'error': f'{type(e).__name__}: {str(e)[:300]}'}
+        continue
+      dt = time.perf_counter() - t0
+      samples[n].append(dt)
+      if len(samples[n]) > plans[n][0]:
+        spent[n] += dt
+    k += 1
+  for n in steps:
+    out.setdefault(n, stats(samples[n][plans[n][0]:]))
+  return out
+
+
+def _answer(obj: dict) -> None:
+  import json  # pylint: disable=g-import-not-at-top
+  print(MARK + json.dumps(obj), flush=True)
+
+
+def serve(build) -> None:
+  """A contender process: builds its contenders, then times them in rounds.
+
+  `sys.argv[1]` is a JSON list of configurations, one a contender, all of
+  one workload and thread count. `build(cfg)` returns `(info, steps)`:
+  `info` a dict of facts (compile time, ids digest, ...), `steps` a dict
+  with `'train'` and optionally `'opt'`, each a `step(k)`; it raises
+  `ImportError` when its framework is missing (the contender is then
+  skipped). The process answers once built, then once for each `round`
+  line on stdin (each contender's `train` steps interleaved step by step
+  with the others', then their `opt` steps), and ends at EOF. Answers are
+  JSON on lines starting with `MARK`.
+  """
+  import json  # pylint: disable=g-import-not-at-top
+  import sys  # pylint: disable=g-import-not-at-top
+
+  made = {}
+  for cfg in json.loads(sys.argv[1]):
+    before = rss_mb()
+    try:
+      info, steps = build(cfg)
+    except ImportError as e:
+      info, steps = {'skipped': f'{e} (in {sys.executable})'}, {}
+    info['rss_added_mb'] = rss_mb() - before
+    made[cfg['contender']] = (cfg, info, steps)
+  _answer({n: info for n, (_, info, _) in made.items()})
+  for line in sys.stdin:
+    if line.strip() != 'round':
+      break
+    answer: dict = {n: {} for n in made}
+    for part in ('train', 'opt'):
+      fns = {n: s[part] for n, (_, _, s) in made.items() if part in s}
+      plans = {n: tuple(made[n][0]['plan'][part]) for n in fns}
+      for n, res in interleave(fns, plans).items():
+        answer[n][part] = res
+    for n in answer:
+      answer[n]['peak_rss_mb'] = peak_rss_mb()
+    _answer(answer)

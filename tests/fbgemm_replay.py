@@ -27,14 +27,17 @@ import lazy_optax
 
 DATA = pathlib.Path(__file__).resolve().parent / 'data'
 MAKER = DATA / 'make_fbgemm_fixture.py'
-FBGEMM_PYTHON = os.environ.get('LAZY_OPTAX_FBGEMM_PYTHON',
-                               '/work/venvs/fbgemm/bin/python')
+# FBGEMM's interpreter: `python3 benchmarks/peers.py setup DIR` makes it and
+# prints the line that sets this variable (the benchmarks read it too).
+FBGEMM_PYTHON = os.environ.get('LAZY_OPTAX_FBGEMM_PYTHON', '')
 FBGEMM_VERSION = '1.9.0'   # the version that made the stored fixtures
 
 live = pytest.mark.skipif(
     not os.access(FBGEMM_PYTHON, os.X_OK),
-    reason=f'no FBGEMM interpreter at {FBGEMM_PYTHON} (set '
-    'LAZY_OPTAX_FBGEMM_PYTHON); the fixture test still runs')
+    reason=(f'no FBGEMM interpreter at {FBGEMM_PYTHON}' if FBGEMM_PYTHON
+            else 'LAZY_OPTAX_FBGEMM_PYTHON is not set')
+    + ' (`python3 benchmarks/peers.py setup DIR` makes the interpreter and '
+    'prints the line that sets it); the fixture test still runs')
 
 
 def load(name: str) -> Any:

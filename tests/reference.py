@@ -243,9 +243,16 @@ class PartialRowwiseAdam:
 class Ftrl:
   """TensorFlow's ApplyFtrlV2 per entry of the touched rows.
 
-  g_s = g + 2 l2_shrinkage w; n' = n + g^2; z += g_s - (n'^p - n^p)/lr * w;
-  q = n'^p / lr + 2 (l2 + beta / (2 lr)); w = (sign(z) l1 - z)/q if |z| > l1
-  else 0; with p = -learning_rate_power.
+  The lines of docs/optimizers.md ("FTRL-Proximal"), with
+  p = -learning_rate_power:
+
+    g_s   <- g + 2 * l2_shrinkage * w
+    n_new <- n + g * g
+    sigma <- (n_new^p - n^p) / lr
+    z     <- z + g_s - sigma * w
+    q     <- (beta + n_new^p) / lr + 2 * l2
+    w     <- (sign(z) * l1 - z) / q    if |z| > l1    else 0
+    n     <- n_new
   """
 
   def __init__(self, table, lr=0.1, lr_power=-0.5,
@@ -262,17 +269,16 @@ class Ftrl:
     lr = self.lr if lr is None else lr
     self.t += 1
     summed = summed_rows(ids, values, self.p.shape[0])
-    l2 = self.l2 + self.beta / (2 * lr)
     for r, g in summed.items():
       w, n = self.p[r], self.n[r]
       g_s = g + 2 * self.l2_shrinkage * w
       n_new = n + g * g
-      self.z[r] = self.z[r] + g_s - (n_new ** self.power
-                                     - n ** self.power) / lr * w
-      q = n_new ** self.power / lr + 2 * l2
-      z = self.z[r]
+      sigma = (n_new ** self.power - n ** self.power) / lr
+      z = self.z[r] + g_s - sigma * w
+      q = (self.beta + n_new ** self.power) / lr + 2 * self.l2
       self.p[r] = np.where(np.abs(z) > self.l1,
                            (np.sign(z) * self.l1 - z) / q, 0.0)
+      self.z[r] = z
       self.n[r] = n_new
     return sorted(summed)
 

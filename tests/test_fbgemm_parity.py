@@ -5,9 +5,9 @@ row accumulators after each of 6 steps (ids repeated within a step, rows
 never looked up, rows first seen late, a row whose tiny gradients put `eps`
 where it matters), made by `tests/data/make_fbgemm_fixture.py` with
 `fbgemm-gpu-cpu` 1.9.0. The fixture test always runs. Where FBGEMM's
-interpreter is present (`$LAZY_OPTAX_FBGEMM_PYTHON`, default
-`/work/venvs/fbgemm/bin/python`), a live test makes a fresh, larger case with
-FBGEMM and compares it the same way.
+interpreter is named (`$LAZY_OPTAX_FBGEMM_PYTHON`, which `python3
+benchmarks/peers.py setup DIR` prints), a live test makes a fresh, larger
+case with FBGEMM and compares it the same way.
 
 Measured (float32; FBGEMM and lazy_optax sum in different orders): over the
 fixture's 6 steps the tables differ from FBGEMM's by at most 2.2e-8 (3.0e-8

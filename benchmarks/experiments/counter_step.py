@@ -22,11 +22,13 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
+import tempfile
 import time
 
 import numpy as np
 
 from benchmarks import common
+from benchmarks import peers
 
 REPEATS = 30
 
@@ -127,8 +129,9 @@ def _show(title: str, ms: dict) -> None:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-  parser.add_argument('--fbgemm', default=None,
-                      help='an interpreter with fbgemm-gpu-cpu')
+  parser.add_argument('--fbgemm', default=peers.python_for('fbgemm'),
+                      help='an interpreter with fbgemm-gpu-cpu (default '
+                      '$LAZY_OPTAX_FBGEMM_PYTHON)')
   parser.add_argument('--skip-26', action='store_true')
   args = parser.parse_args()
   target = common.TARGET
@@ -140,8 +143,9 @@ def main() -> None:
           _jax_steps([(c, cfg['row']) for c in common.cardinalities(cfg)],
                      cfg['batch']))
   if args.fbgemm:
-    ms = _fbgemm_steps(args.fbgemm, target['rows'], target['row'],
-                       target['ids'], '/tmp/counter_step_ids.npy')
+    with tempfile.TemporaryDirectory() as tmp:
+      ms = _fbgemm_steps(args.fbgemm, target['rows'], target['row'],
+                         target['ids'], os.path.join(tmp, 'ids.npy'))
     print('FBGEMM CPU, target table (lookup + backward + update): '
           + ', '.join(f'{k} {v:.2f} ms' for k, v in ms.items())
           + f'; counter / plain = {ms["fbgemm_counter"] / ms["fbgemm"]:.2f}x')

@@ -3,7 +3,7 @@
 Started by `rmsprop_ar_speed.py` with the Python of FBGEMM's venv (torch and
 `fbgemm-gpu-cpu` 1.9.0, no JAX):
 
-    /work/venvs/fbgemm/bin/python \\
+    $LAZY_OPTAX_FBGEMM_PYTHON \\
         -m benchmarks.experiments.fbgemm_ar_contender \\
         '{"shape": "single", "steps": 60, "threads": 1}'
 

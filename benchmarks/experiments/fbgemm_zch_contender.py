@@ -3,7 +3,7 @@
 Started by `hashed_table.py` with the Python of a venv that holds torch and
 `fbgemm-gpu-cpu` (no JAX here):
 
-    /work/venvs/fbgemm/bin/python \
+    $LAZY_OPTAX_FBGEMM_PYTHON \
         benchmarks/experiments/fbgemm_zch_contender.py \
         '{"stream": "ids.npy", "capacity": 1000000, "probe": 16, ...}'
 

@@ -3,7 +3,7 @@
 # time limit of its own so that one slow part leaves the others their time:
 #
 #     OUT=/some/dir bash benchmarks/experiments/gpu_run.sh
-#     QUICK=1 OUT=/tmp/x bash benchmarks/experiments/gpu_run.sh   # smoke run
+#     QUICK=1 OUT=/some/dir bash benchmarks/experiments/gpu_run.sh   # smoke run
 #     PARTS=hlo,tests OUT=/some/dir bash benchmarks/experiments/gpu_run.sh
 #
 # 1. the versions and the card;

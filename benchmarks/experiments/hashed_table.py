@@ -23,7 +23,7 @@ universe of `--universe` raw ids (10**9), `--batch` ids a step (4,096):
    that got a row: no two ids share one).
 3. **FBGEMM's `zero_collision_hash`** (`fbgemm-gpu-cpu`), run by
    `fbgemm_zch_contender.py` in its own interpreter (`--fbgemm-python`,
-   default `/work/venvs/fbgemm/bin/python`) on the same stream: ids per
+   default `$LAZY_OPTAX_FBGEMM_PYTHON`) on the same stream: ids per
    second of its CPU op, and the fraction of lookups that got their own
    row. Its CPU op is read-only (inference: it refuses `readonly=False`);
    inserting exists only in its CUDA op. The contender inserts the way
@@ -53,7 +53,7 @@ import time
 
 import numpy as np
 
-_FBGEMM_PYTHON = '/work/venvs/fbgemm/bin/python'
+from benchmarks import peers
 
 
 def zipf_stream(universe: int, batch: int, steps: int, exponent: float,
@@ -331,7 +331,9 @@ def main(argv: list[str] | None = None) -> dict:
                       'stream has filled the table)')
   parser.add_argument('--steps', type=int, default=300)
   parser.add_argument('--warmup', type=int, default=20)
-  parser.add_argument('--fbgemm-python', default=_FBGEMM_PYTHON)
+  parser.add_argument('--fbgemm-python', default=peers.python_for('fbgemm'),
+                      help='FBGEMM\'s interpreter (default '
+                      '$LAZY_OPTAX_FBGEMM_PYTHON)')
   parser.add_argument('--quick', action='store_true',
                       help='small sizes, for a smoke run')
   parser.add_argument('--skip', default='',

@@ -2,7 +2,7 @@
 
     python3 -m benchmarks.experiments.rmsprop_ar_speed
     python3 -m benchmarks.experiments.rmsprop_ar_speed --shapes single \\
-        --fbgemm-python /work/venvs/fbgemm/bin/python
+        --fbgemm-python "$LAZY_OPTAX_FBGEMM_PYTHON"
 
 Two shapes: `single` is `common.TARGET` (1,000,000 x 64 float32, 4,096 Zipf
 ids a step), `dlrm` the 26 DLRM tables of `common.DLRM_DEFAULTS` (Criteo
@@ -31,6 +31,7 @@ import time
 
 import numpy as np
 
+from benchmarks import peers
 from benchmarks.common import DLRM_DEFAULTS
 from benchmarks.common import init_tables
 from benchmarks.common import make_batches
@@ -132,7 +133,9 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--shapes', default='single,dlrm')
   parser.add_argument('--steps', type=int, default=60)
-  parser.add_argument('--fbgemm-python', default=None)
+  parser.add_argument('--fbgemm-python', default=peers.python_for('fbgemm'),
+                      help='FBGEMM\'s interpreter (default '
+                      '$LAZY_OPTAX_FBGEMM_PYTHON)')
   args = parser.parse_args()
   for shape in args.shapes.split(','):
     r = compare(shape, args.steps)

@@ -14,6 +14,7 @@ median wall and CPU time per step of each, and the ratios new / old.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -21,7 +22,6 @@ _WORKER = r'''
 import functools, json, os, sys, time
 os.environ['XLA_FLAGS'] = ('--xla_cpu_multi_thread_eigen=false '
                            'intra_op_parallelism_threads=1')
-sys.path.insert(0, sys.argv[1])
 import jax, jax.numpy as jnp, numpy as np
 import lazy_optax
 assert lazy_optax.__file__.startswith(sys.argv[1]), lazy_optax.__file__
@@ -74,9 +74,11 @@ def main() -> None:
   rounds = int(sys.argv[3]) if len(sys.argv) > 3 else 10
   workers = {}
   for label, root in (('old', old_root), ('new', new_root)):
+    # The root is the worker's PYTHONPATH: its `lazy_optax` is imported.
     workers[label] = subprocess.Popen(
-        [sys.executable, '-c', _WORKER, root], stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE, text=True)
+        [sys.executable, '-c', _WORKER, os.path.abspath(root)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        env=dict(os.environ, PYTHONPATH=os.path.abspath(root)))
   for w in workers.values():
     assert w.stdout is not None and w.stdout.readline().strip() == 'ready'
   times: dict = {}

@@ -1,12 +1,14 @@
-"""One single-table contender, one configuration, measured in this process.
+"""The single-table contenders of JAX and torch, interleaved in this process.
 
-Run by `benchmarks/run.py` in a fresh subprocess per (contender,
-configuration), pinned to the cores it may use, so that peak resident memory
-and thread counts belong to that contender alone (from the repository root):
+Run by `benchmarks/run.py` once per (configuration, thread count), pinned
+to the cores it may use, with every JAX and torch contender of that
+configuration (from the repository root):
 
-    python3 -m benchmarks.harness.contenders '{"contender": "lazy_sparse", ...}'
+    python3 -m benchmarks.harness.contenders '[{"contender": "lazy_sparse",
+        ...}, {"contender": "torch_sparse", ...}]'
 
-It prints one JSON object on its last line of stdout.
+It builds them all, then times them step by step in turn, one round for
+each `round` line on stdin (`benchmarks.common.serve`).
 
 The model is the smallest one that exercises a train step of an embedding
 table: `loss = mean((table[ids] @ w - 1)^2)`, with a `[num_rows, row]` table
@@ -24,10 +26,6 @@ JAX contenders: `lazy_sparse` (`lazy_adam`), `lazy_sparse_nodonate`,
 
 from __future__ import annotations
 
-import gc
-import json
-import os
-import sys
 import time
 import types
 
@@ -37,9 +35,7 @@ from benchmarks.common import ids_digest
 from benchmarks.common import lazy_step_bytes
 from benchmarks.common import LR
 from benchmarks.common import make_batches
-from benchmarks.common import peak_rss_mb
-from benchmarks.common import rss_mb
-from benchmarks.common import time_loop
+from benchmarks.common import serve
 
 # -- JAX contenders -----------------------------------------------------------
 
@@ -108,74 +104,65 @@ def jax_setup(cfg: dict) -> types.SimpleNamespace:
       donate=donate, sparse=sparse)
 
 
-def _jax_contender(cfg: dict) -> dict:
+def _jax_contender(cfg: dict) -> tuple[dict, dict]:
+  """`(info, steps)` of a JAX contender (`common.serve`'s `build`)."""
   import jax
   import jax.numpy as jnp
 
   import lazy_optax
 
-  rss_base = rss_mb()
   setup = jax_setup(cfg)
-  v, d = cfg['rows'], cfg['row']
-  train_step, opt_step, tx = setup.train_step, setup.opt_step, setup.tx
-  fresh_params, batches = setup.fresh_params, setup.batches
-  np_batches, donate, sparse = setup.np_batches, setup.donate, setup.sparse
-
-  result: dict = {'ids_digest': ids_digest(np_batches)}
+  d = cfg['row']
+  batches, sparse = setup.batches, setup.sparse
+  info: dict = {'ids_digest': ids_digest(setup.np_batches)}
   if sparse and cfg['contender'] != 'rowwise_adagrad':  # Adam's traffic
-    result['traffic'] = lazy_step_bytes(np_batches, 4 * d, dense_bytes=4 * d)
-  # Whole train step.
-  params = fresh_params()
-  state = tx.init(params)
-  step_jit = jax.jit(train_step, donate_argnums=donate)
+    info['traffic'] = lazy_step_bytes(setup.np_batches, 4 * d,
+                                      dense_bytes=4 * d)
+  params = setup.fresh_params()
+  box = [params, setup.tx.init(params)]
+  del params
   t0 = time.perf_counter()
-  compiled = step_jit.lower(params, state, batches[0]).compile()
-  result['compile_s'] = time.perf_counter() - t0
-  mem = compiled.memory_analysis()
+  train = jax.jit(setup.train_step, donate_argnums=setup.donate).lower(
+      box[0], box[1], batches[0]).compile()
+  info['compile_s'] = time.perf_counter() - t0
+  mem = train.memory_analysis()
   if mem is not None:
-    result['xla_temp_mb'] = mem.temp_size_in_bytes / 2**20
-  box = [params, state]
+    info['xla_temp_mb'] = mem.temp_size_in_bytes / 2**20
 
   def run_train(k):
-    p, s, loss = compiled(box[0], box[1], batches[k])
+    p, s, loss = train(box[0], box[1], batches[k % len(batches)])
     loss.block_until_ready()
     box[0], box[1] = p, s
 
   t0 = time.perf_counter()
   run_train(0)
-  result['first_step_s'] = time.perf_counter() - t0
-  result['train'] = time_loop(run_train, len(batches), cfg)
-  del box[:], params, state
-  gc.collect()
+  info['first_step_s'] = time.perf_counter() - t0
+  steps = {'train': run_train}
   if not cfg.get('opt', True):
-    result['rss_base_mb'] = rss_base
-    return result
+    return info, steps
 
-  # Optimizer step alone, on gradients prepared beforehand.
-  params = fresh_params()
-  state = tx.init(params)
+  # The optimizer step alone, on gradients prepared beforehand, updating
+  # the same params and state.
   g_rng = np.random.default_rng(2)
   grads_pool = []
   for b in batches[:cfg['grad_pool']]:
     vals = jnp.asarray(g_rng.normal(size=(b.shape[0], d)).astype(np.float32))
-    g = lazy_optax.SparseRows(b, vals, num_rows=v)
+    g = lazy_optax.SparseRows(b, vals, num_rows=cfg['rows'])
     if not sparse:
       g = jax.jit(lambda s: s.to_dense())(g)
     grads_pool.append({'table': g, 'w': jnp.ones((d,), jnp.float32)})
-  opt_jit = jax.jit(opt_step, donate_argnums=donate)
   t0 = time.perf_counter()
-  opt_compiled = opt_jit.lower(params, state, grads_pool[0]).compile()
-  result['opt_compile_s'] = time.perf_counter() - t0
-  box = [params, state]
+  opt = jax.jit(setup.opt_step, donate_argnums=setup.donate).lower(
+      box[0], box[1], grads_pool[0]).compile()
+  info['opt_compile_s'] = time.perf_counter() - t0
 
   def run_opt(k):
-    p, s = opt_compiled(box[0], box[1], grads_pool[k % len(grads_pool)])
+    p, s = opt(box[0], box[1], grads_pool[k % len(grads_pool)])
     jax.block_until_ready(p)
     box[0], box[1] = p, s
 
-  result['opt'] = time_loop(run_opt, len(grads_pool), cfg)
-  result['rss_base_mb'] = rss_base
-  return result
+  steps['opt'] = run_opt
+  return info, steps
 
 
 # -- torch contenders ---------------------------------------------------------
@@ -220,7 +207,8 @@ def torch_train(model: tuple, batches: list, device: str = 'cpu'):
   return run_train
 
 
-def _torch_contender(cfg: dict) -> dict:
+def _torch_contender(cfg: dict) -> tuple[dict, dict]:
+  """`(info, steps)` of a torch contender (`common.serve`'s `build`)."""
   import torch  # pylint: disable=g-import-not-at-top
 
   torch.set_num_threads(cfg['threads'])
@@ -228,24 +216,16 @@ def _torch_contender(cfg: dict) -> dict:
   sparse = cfg['contender'] == 'torch_sparse'
   np_batches = make_batches(cfg)
   batches = [torch.from_numpy(b.astype(np.int64)) for b in np_batches]
-  rng = np.random.default_rng(1)
-  rss_base = rss_mb()
-  result: dict = {'ids_digest': ids_digest(np_batches)}
-  model = torch_model(cfg, rng)
+  info: dict = {'ids_digest': ids_digest(np_batches), 'compile_s': 0.0}
+  emb, w, opts = model = torch_model(cfg, np.random.default_rng(1))
   run_train = torch_train(model, batches)
-
   t0 = time.perf_counter()
   run_train(0)
-  result['first_step_s'] = time.perf_counter() - t0
-  result['compile_s'] = 0.0
-  result['train'] = time_loop(run_train, len(batches), cfg)
-  del model, run_train
-  gc.collect()
+  info['first_step_s'] = time.perf_counter() - t0
+  steps = {'train': run_train}
   if not cfg.get('opt', True):
-    result['rss_base_mb'] = rss_base
-    return result
+    return info, steps
 
-  emb, w, opts = torch_model(cfg, rng)
   g_rng = np.random.default_rng(2)
   grads_pool = []
   for b in batches[:cfg['grad_pool']]:
@@ -261,27 +241,16 @@ def _torch_contender(cfg: dict) -> dict:
     for o in opts:
       o.step()
 
-  result['opt'] = time_loop(run_opt, len(grads_pool), cfg)
-  result['rss_base_mb'] = rss_base
-  return result
+  steps['opt'] = run_opt
+  return info, steps
 
 
-def main() -> None:
-  cfg = json.loads(sys.argv[1])
+def build(cfg: dict) -> tuple[dict, dict]:
+  """`(info, steps)` of any contender of this module (`common.serve`)."""
   if cfg['contender'].startswith('torch'):
-    try:
-      import torch  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-    except ImportError:
-      print(json.dumps({'skipped': 'torch is not installed (pip install '
-                                   "-e '.[bench]')"}))
-      return
-    result = _torch_contender(cfg)
-  else:
-    result = _jax_contender(cfg)
-  result['peak_rss_mb'] = peak_rss_mb()
-  result['cpus'] = sorted(os.sched_getaffinity(0))
-  print(json.dumps(result))
+    return _torch_contender(cfg)
+  return _jax_contender(cfg)
 
 
 if __name__ == '__main__':
-  main()
+  serve(build)

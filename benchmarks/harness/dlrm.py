@@ -1,9 +1,11 @@
-"""A DLRM-shaped model: 26 embedding tables and an MLP, one contender per run.
+"""A DLRM-shaped model: 26 embedding tables and an MLP, JAX and torch.
 
-Run by `benchmarks/run.py` in a fresh, pinned subprocess per (contender,
-thread count), from the repository root:
+Run by `benchmarks/run.py` once per thread count, pinned, with every JAX
+and torch contender (from the repository root), which it builds and then
+times step by step in turn, one round for each `round` line on stdin
+(`benchmarks.common.serve`):
 
-    python3 -m benchmarks.harness.dlrm '{"contender": "dlrm_lazy", ...}'
+    python3 -m benchmarks.harness.dlrm '[{"contender": "dlrm_lazy", ...}]'
 
 The model and its batches are `benchmarks/common.py`'s. The tables have
 the Criteo Kaggle (Display Advertising Challenge) categorical cardinalities,
@@ -12,7 +14,9 @@ capped at `cap` rows (1,000,000: 5,569,296 rows in all), and
 Zipf-distributed id per table (hot ids spread over each table), 13 dense
 features and a 0/1 label. The model concatenates the 26 looked-up rows and
 the dense features, then `mlp` hidden ReLU layers (one of 64) and a logit;
-the loss is the mean logistic loss. The whole train step is timed.
+the loss is the mean logistic loss. The whole train step is timed;
+`first_loss` is the loss of the second step, the same for every contender
+up to rounding (the same model, data and initial values).
 
 Contenders:
   dlrm_lazy          lazy_optax.lazy_adam, 26 tables, `lazy_optax.lookup` +
@@ -26,16 +30,10 @@ Contenders:
   dlrm_rowwise_adagrad  lazy_optax.rowwise_adagrad on every parameter (the
                      tables lazily), otherwise as dlrm_lazy: the rule that
                      `fbgemm_contender.py` measures in FBGEMM
-
-Prints one JSON object on its last line of stdout.
 """
 
 from __future__ import annotations
 
-import gc
-import json
-import os
-import sys
 import time
 
 import numpy as np
@@ -50,9 +48,7 @@ from benchmarks.common import lazy_step_bytes
 from benchmarks.common import LR
 from benchmarks.common import make_dlrm_batches
 from benchmarks.common import mlp_shapes
-from benchmarks.common import peak_rss_mb
-from benchmarks.common import rss_mb
-from benchmarks.common import time_loop
+from benchmarks.common import serve
 
 DEFAULTS = DLRM_DEFAULTS
 CONTENDERS = ('dlrm_lazy', 'dlrm_lazy_concat', 'dlrm_torch_sparse',
@@ -143,39 +139,37 @@ def jax_setup(cfg: dict):
   return step, params, state, batches
 
 
-def _jax_contender(cfg: dict) -> dict:
+def _jax_contender(cfg: dict) -> tuple[dict, dict]:
+  """`(info, steps)` of a JAX contender (`common.serve`'s `build`)."""
   import jax  # pylint: disable=g-import-not-at-top
 
-  rss_base = rss_mb()
   step, params, state, batches = jax_setup(cfg)
   np_batches = [{k: np.asarray(v) for k, v in b.items()} for b in batches]
-  result: dict = {'ids_digest': ids_digest([b['ids'] for b in np_batches]),
-                  'rss_base_mb': rss_base}
+  info: dict = {'ids_digest': ids_digest([b['ids'] for b in np_batches])}
   if cfg['contender'] in ('dlrm_lazy', 'dlrm_lazy_concat'):  # Adam's traffic
-    result['traffic'] = traffic(cfg, np_batches)
+    info['traffic'] = traffic(cfg, np_batches)
   t0 = time.perf_counter()
   lowered = step.lower(params, state, batches[0])
-  result['trace_s'] = time.perf_counter() - t0
+  info['trace_s'] = time.perf_counter() - t0
   compiled = lowered.compile()
-  result['compile_s'] = time.perf_counter() - t0
+  info['compile_s'] = time.perf_counter() - t0
   mem = compiled.memory_analysis()
   if mem is not None:
-    result['xla_temp_mb'] = mem.temp_size_in_bytes / 2**20
+    info['xla_temp_mb'] = mem.temp_size_in_bytes / 2**20
   box = [params, state]
   del params, state
 
   def run_train(k):
-    p, s, loss = compiled(box[0], box[1], batches[k])
+    p, s, loss = compiled(box[0], box[1], batches[k % len(batches)])
     loss.block_until_ready()
     box[0], box[1] = p, s
+    return loss
 
   t0 = time.perf_counter()
   run_train(0)
-  result['first_step_s'] = time.perf_counter() - t0
-  result['train'] = time_loop(run_train, len(batches), cfg)
-  result['final_loss'] = float(jax.device_get(
-      compiled(box[0], box[1], batches[0])[2]))
-  return result
+  info['first_step_s'] = time.perf_counter() - t0
+  info['first_loss'] = float(jax.device_get(run_train(0)))
+  return info, {'train': run_train}
 
 
 # -- torch --------------------------------------------------------------------
@@ -232,39 +226,28 @@ def torch_train_step(cfg: dict, device: str = 'cpu'):
   return run_train, np_batches
 
 
-def _torch_contender(cfg: dict) -> dict:
+def _torch_contender(cfg: dict) -> tuple[dict, dict]:
+  """`(info, steps)` of the torch contender (`common.serve`'s `build`)."""
   import torch  # pylint: disable=g-import-not-at-top
 
   torch.set_num_threads(cfg['threads'])
-  rss_base = rss_mb()
   run_train, np_batches = torch_train_step(cfg)
-  result: dict = {'ids_digest': ids_digest([b['ids'] for b in np_batches]),
-                  'rss_base_mb': rss_base, 'compile_s': 0.0}
+  info: dict = {'ids_digest': ids_digest([b['ids'] for b in np_batches]),
+                'compile_s': 0.0}
   t0 = time.perf_counter()
   run_train(0)
-  result['first_step_s'] = time.perf_counter() - t0
-  result['train'] = time_loop(run_train, len(np_batches), cfg)
-  result['final_loss'] = float(run_train(0))
-  return result
+  info['first_step_s'] = time.perf_counter() - t0
+  info['first_loss'] = float(run_train(0))
+  return info, {'train': run_train}
 
 
-def main() -> None:
-  cfg = dict(DEFAULTS, **json.loads(sys.argv[1]))
+def build(cfg: dict) -> tuple[dict, dict]:
+  """`(info, steps)` of any contender of this module (`common.serve`)."""
+  cfg = dict(DEFAULTS, **cfg)
   if cfg['contender'].startswith('dlrm_torch'):
-    try:
-      import torch  # noqa: F401  pylint: disable=g-import-not-at-top,unused-import
-    except ImportError:
-      print(json.dumps({'skipped': 'torch is not installed (pip install '
-                                   "-e '.[bench]')"}))
-      return
-    result = _torch_contender(cfg)
-  else:
-    result = _jax_contender(cfg)
-  gc.collect()
-  result['peak_rss_mb'] = peak_rss_mb()
-  result['cpus'] = sorted(os.sched_getaffinity(0))
-  print(json.dumps(result))
+    return _torch_contender(cfg)
+  return _jax_contender(cfg)
 
 
 if __name__ == '__main__':
-  main()
+  serve(build)

@@ -1,13 +1,14 @@
 """FBGEMM's CPU table-batched embedding with row-wise Adagrad, in this process.
 
 FBGEMM (`fbgemm-gpu-cpu` 1.9.0, the kernels under TorchRec) needs
-`torch==2.14.1`, so this module runs in an interpreter of its own (see
-benchmarks/README.md for the commands that make it);
-`benchmarks/run.py --fbgemm-python PATH` starts it from the repository root,
-pinned like every contender:
+`torch==2.14.1`, so this module runs in an interpreter of its own
+(`python3 benchmarks/peers.py setup DIR` makes it); `benchmarks/run.py`
+starts it from the repository root with `$LAZY_OPTAX_FBGEMM_PYTHON` (or
+`--fbgemm-python PATH`), pinned, in a process of its own, its rounds
+interleaved with the other processes' rounds (`benchmarks.common.serve`):
 
-    /work/venvs/fbgemm/bin/python -m benchmarks.harness.fbgemm_contender \\
-        '{"contender": "fbgemm_rowwise_adagrad", "threads": 1, ...}'
+    $LAZY_OPTAX_FBGEMM_PYTHON -m benchmarks.harness.fbgemm_contender \\
+        '[{"contender": "fbgemm_rowwise_adagrad", "threads": 1, ...}]'
 
 The tables live in one `SplitTableBatchedEmbeddingBagsCodegen` on the host
 (`EmbeddingLocation.HOST`, `ComputeDevice.CPU`), float32, with the optimizer
@@ -27,16 +28,12 @@ Contenders (the models and ids of `benchmarks/common.py`):
 The whole train step (lookup, loss, backward with the fused table update,
 the dense optimizer's step) is timed; there is no compile step and no
 separate optimizer step (FBGEMM updates the tables inside `backward`).
-Threads: `taskset` (by `run.py`) and `torch.set_num_threads`. Prints one JSON
-object on its last line of stdout.
+Threads: `taskset` (by `run.py`) and `torch.set_num_threads`.
 """
 
 from __future__ import annotations
 
 import gc
-import json
-import os
-import sys
 import time
 
 import numpy as np
@@ -48,9 +45,7 @@ from benchmarks.common import init_tables
 from benchmarks.common import LR
 from benchmarks.common import make_batches
 from benchmarks.common import make_dlrm_batches
-from benchmarks.common import peak_rss_mb
-from benchmarks.common import rss_mb
-from benchmarks.common import time_loop
+from benchmarks.common import serve
 
 EPS = 1e-8  # lazy_optax.rowwise_adagrad's default, and FBGEMM's
 
@@ -105,41 +100,39 @@ def rowwise_state(tbe) -> list[np.ndarray]:
   return [s[0].detach().numpy().copy() for s in tbe.split_optimizer_states()]
 
 
-def _single_table(cfg: dict) -> dict:
+def _single_table(cfg: dict) -> tuple[dict, dict]:
+  """`(info, steps)` of the single table in FBGEMM."""
   import torch  # pylint: disable=g-import-not-at-top
 
   v, d = cfg['rows'], cfg['row']
   np_batches = make_batches(cfg)
   inputs = [tbe_inputs(b) for b in np_batches]
   rng = np.random.default_rng(1)
-  rss_base = rss_mb()
   table = rng.random((v, d), dtype=np.float32) * np.float32(0.02) - 0.01
   # One row per id, unpooled: 1.5x faster here than bags of one id.
   tbe = make_tbe([table], pooled=False)
   del table
   w = torch.nn.Parameter(torch.ones(d))
   opt = torch.optim.Adagrad([w], lr=LR, eps=EPS)
-  result: dict = {'ids_digest': ids_digest(np_batches), 'compile_s': 0.0,
-                  'rss_base_mb': rss_base}
+  info: dict = {'ids_digest': ids_digest(np_batches), 'compile_s': 0.0}
 
   def run_train(k):
     opt.zero_grad(set_to_none=True)
-    rows = tbe(*inputs[k])
+    rows = tbe(*inputs[k % len(inputs)])
     loss = ((rows @ w - 1.0) ** 2).mean()
     loss.backward()
     opt.step()
 
   t0 = time.perf_counter()
   run_train(0)
-  result['first_step_s'] = time.perf_counter() - t0
-  result['train'] = time_loop(run_train, len(inputs), cfg)
-  return result
+  info['first_step_s'] = time.perf_counter() - t0
+  return info, {'train': run_train}
 
 
-def _dlrm(cfg: dict) -> dict:
+def _dlrm(cfg: dict) -> tuple[dict, dict]:
+  """`(info, steps)` of the DLRM-shaped model in FBGEMM."""
   import torch  # pylint: disable=g-import-not-at-top
 
-  rss_base = rss_mb()
   rng = np.random.default_rng(1)
   # Bags of one id per feature, sum-pooled (TorchRec's DLRM layout): the
   # output is `[batch, 26 * row]` already, slightly faster here than
@@ -159,12 +152,12 @@ def _dlrm(cfg: dict) -> dict:
   batches = [{'inputs': tbe_inputs(b['ids']),
               'dense': torch.from_numpy(b['dense']),
               'labels': torch.from_numpy(b['labels'])} for b in np_batches]
-  result: dict = {'ids_digest': ids_digest([b['ids'] for b in np_batches]),
-                  'rss_base_mb': rss_base, 'compile_s': 0.0}
+  info: dict = {'ids_digest': ids_digest([b['ids'] for b in np_batches]),
+                'compile_s': 0.0}
   softplus = torch.nn.functional.softplus
 
   def run_train(k):
-    batch = batches[k]
+    batch = batches[k % len(batches)]
     opt.zero_grad(set_to_none=True)
     rows = tbe(*batch['inputs'])             # [batch, 26 * row]
     x = torch.cat([rows, batch['dense']], 1)
@@ -178,34 +171,27 @@ def _dlrm(cfg: dict) -> dict:
 
   t0 = time.perf_counter()
   run_train(0)
-  result['first_step_s'] = time.perf_counter() - t0
-  result['train'] = time_loop(run_train, len(batches), cfg)
-  result['final_loss'] = float(run_train(0))
-  return result
+  info['first_step_s'] = time.perf_counter() - t0
+  info['first_loss'] = float(run_train(0))
+  return info, {'train': run_train}
 
 
-def main() -> None:
-  cfg = json.loads(sys.argv[1])
-  try:
-    import fbgemm_gpu  # pylint: disable=g-import-not-at-top
-    import torch  # pylint: disable=g-import-not-at-top
-  except ImportError as e:
-    print(json.dumps({'skipped': f'FBGEMM is not importable in '
-                                 f'{sys.executable} ({e})'}))
-    return
+def build(cfg: dict) -> tuple[dict, dict]:
+  """`(info, steps)` of an FBGEMM contender (`common.serve`'s `build`)."""
+  import fbgemm_gpu  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+
   torch.set_num_threads(cfg['threads'])
   if cfg['contender'] == 'dlrm_fbgemm_rowwise_adagrad':
-    result = _dlrm(dict(DLRM_DEFAULTS, **cfg))
+    info, steps = _dlrm(dict(DLRM_DEFAULTS, **cfg))
   elif cfg['contender'] == 'fbgemm_rowwise_adagrad':
-    result = _single_table(cfg)
+    info, steps = _single_table(cfg)
   else:
     raise ValueError(f'unknown FBGEMM contender {cfg["contender"]!r}')
-  result['torch_version'] = torch.__version__
-  result['fbgemm_version'] = getattr(fbgemm_gpu, '__version__', '?')
-  result['peak_rss_mb'] = peak_rss_mb()
-  result['cpus'] = sorted(os.sched_getaffinity(0))
-  print(json.dumps(result))
+  info['torch_version'] = torch.__version__
+  info['fbgemm_version'] = getattr(fbgemm_gpu, '__version__', '?')
+  return info, steps
 
 
 if __name__ == '__main__':
-  main()
+  serve(build)

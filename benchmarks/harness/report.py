@@ -1,9 +1,12 @@
 """Markdown tables, target ratios and PNG plots from a `results.json`.
 
-    python3 -m benchmarks.harness.report benchmarks/results/full/results.json
+    python3 -m benchmarks.harness.report OUT/results.json
+    python3 -m benchmarks.harness.report RUN1/results.json RUN2/results.json ...
 
-`benchmarks/run.py` calls `write` at the end of a run; this module redraws
-the report from a saved JSON file.
+`benchmarks/run.py` calls `write` at the end of a run and prints `summary`,
+the tables docs/performance.md shows. Given one file, this module redraws
+its report; given several, it prints those tables and every ratio with the
+range seen across the runs (what the docs publish).
 """
 
 from __future__ import annotations
@@ -11,6 +14,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import platform
+import re
 import sys
 
 import numpy as np
@@ -39,6 +44,150 @@ DLRM_LABELS = {
                                    'EXACT_ROWWISE_ADAGRAD; torch Adagrad MLP',
 }
 LAZY = ('lazy_sparse', 'dlrm_lazy', 'dlrm_lazy_concat')
+
+# The rows of docs/performance.md's tables: (label, contender, the contender
+# its ratio divides by, or None for no ratio).
+SUMMARY_TARGET = (
+    ('`lazy_optax.lazy_adam`, jit, donated', 'lazy_sparse', None),
+    ('TF Addons `LazyAdam` (`tf.function`, `IndexedSlices`)', 'tf_lazy_adam',
+     'lazy_sparse'),
+    ('torch `SparseAdam`, `nn.Embedding(sparse=True)`', 'torch_sparse',
+     'lazy_sparse'),
+    ('`optax.adam`, dense gradient, jit, donated', 'optax_dense',
+     'lazy_sparse'),
+    ('`lazy_adam` NOT donated', 'lazy_sparse_nodonate', 'lazy_sparse'),
+    ('`lazy(optax.adam, skip_zero_rows=True)`, dense gradient',
+     'lazy_dense_skip', 'lazy_sparse'),
+    ('torch `Adam`, dense `nn.Embedding`', 'torch_dense', 'lazy_sparse'),
+    ('`lazy_optax.rowwise_adagrad`', 'rowwise_adagrad', None),
+    ('FBGEMM CPU row-wise Adagrad (`EXACT_ROWWISE_ADAGRAD`)',
+     'fbgemm_rowwise_adagrad', 'rowwise_adagrad'),
+)
+SUMMARY_DLRM = (
+    ('`lazy_adam`, 26 tables', 'dlrm_lazy', None),
+    ('`lazy_adam`, the 26 tables concatenated into one', 'dlrm_lazy_concat',
+     None),
+    ('torch `SparseAdam` (+ `Adam` for the MLP)', 'dlrm_torch_sparse',
+     'dlrm_lazy'),
+    ('`optax.adam`, dense gradients', 'dlrm_optax_dense', 'dlrm_lazy'),
+    ('`rowwise_adagrad`, 26 tables (the MLP too)', 'dlrm_rowwise_adagrad',
+     None),
+    ('FBGEMM, the 26 tables in one TBE, the MLP with `torch.optim.Adagrad`',
+     'dlrm_fbgemm_rowwise_adagrad', 'dlrm_rowwise_adagrad'),
+)
+
+
+def machine() -> str:
+  """This machine in a few words: CPU model, cores, memory, OS."""
+  cpu = platform.processor() or platform.machine()
+  mem = ''
+  try:
+    with open('/proc/cpuinfo') as f:
+      names = [ln.split(':', 1)[1].strip() for ln in f
+               if ln.startswith('model name')]
+    cpu = names[0] if names else cpu
+    with open('/proc/meminfo') as f:
+      kb = int(f.readline().split()[1])
+    mem = f', {kb / 2**20:.0f} GiB'
+  except (OSError, ValueError, IndexError):
+    pass
+  return (f'{cpu}, {os.cpu_count()} cores{mem}, {platform.system()} '
+          f'{platform.release()}')
+
+
+def _span(values: list[float], fmt: str) -> str:
+  """'v' for one value (or equal ones), else 'lo to hi'; `fmt` 'ms' gives
+  three significant digits, whole numbers from 1,000 on."""
+
+  def text(v):
+    if fmt == 'ms':
+      return f'{v:,.0f}' if v >= 1000 else f'{v:.3g}'
+    return format(v, fmt)
+
+  lo, hi = text(min(values)), text(max(values))
+  return lo if lo == hi else f'{lo} to {hi}'
+
+
+def _cell(runs: list[dict], contender: str, base: str | None, sweep: str,
+          threads: int) -> str:
+  """One table cell: the step time over `runs`, and its ratio to `base`."""
+  times, ratios_ = [], []
+  for res in runs:
+    t = _train(res, contender, threads=threads, sweep=sweep)
+    b = _train(res, base, threads=threads, sweep=sweep) if base else None
+    if t is not None:
+      times.append(t)
+      if b:
+        ratios_.append(t / b)
+  if not times:
+    return ''
+  text = f'{_span(times, "ms")} ms'
+  if ratios_:
+    text += f' ({_span(ratios_, ".2f")}x)'
+  return text
+
+
+def _summary_table(runs: list[dict], rows: tuple, sweep: str) -> list[str]:
+  lines = ['| train step, median | 1 thread | 2 threads |',
+           '| --- | --- | --- |']
+  for label, c, base in rows:
+    cells = [_cell(runs, c, base, sweep, t) for t in (1, 2)]
+    if any(cells):
+      lines.append(f'| {label} | {cells[0]} | {cells[1]} |')
+  return lines if len(lines) > 2 else []
+
+
+def summary(runs: list[dict]) -> str:
+  """docs/performance.md's tables from one run, or ranges over several.
+
+  Args:
+    runs: the contents of one or more `results.json`.
+
+  Returns:
+    Markdown: the single-table and the DLRM tables, a step time and, in
+    parentheses, its ratio to lazy_optax's (computed within each run),
+    each as 'lo to hi' over the runs.
+  """
+  smoke = ' (SMOKE: small tables, not a measurement)' if any(
+      r.get('smoke') for r in runs) else ''
+  after = [r.get('load_after', [math.nan])[0] for r in runs]
+  head = (f'{len(runs)} run(s) of `benchmarks/run.py --mode '
+          f'{runs[0]["mode"]}`{smoke}, started '
+          f'{", ".join(r["started"] for r in runs)}, on '
+          f'{runs[0].get("machine", "an unnamed machine")}; load average '
+          f'before {_span([r["load_before"][0] for r in runs], ".1f")}, '
+          f'after {_span(after, ".1f")}.')
+  lines = [head, '', '**A 1,000,000 x 64 float32 table, 4,096 Zipf ids a '
+           'step**', '', *_summary_table(runs, SUMMARY_TARGET, 'target'),
+           '', '**A DLRM-shaped model** (26 tables)', '',
+           *_summary_table(runs, SUMMARY_DLRM, 'dlrm')]
+  comp = [(_dlrm_compile(r, 'dlrm_lazy'), _dlrm_compile(r, 'dlrm_optax_dense'))
+          for r in runs]
+  comp = [(a, b) for a, b in comp if a and b]
+  if comp:
+    lines.append(
+        f'| first-call compile: `lazy_adam` / `optax.adam` (1 thread) | '
+        f'{_span([a for a, _ in comp], ".2f")} s / '
+        f'{_span([b for _, b in comp], ".2f")} s '
+        f'({_span([a / b for a, b in comp], ".2f")}x) | |')
+  return '\n'.join(lines)
+
+
+def ratio_spans(runs: list[dict]) -> str:
+  """Every ratio of `ratios` with its range over `runs`, and its goal."""
+  seen: dict = {}
+  for res in runs:
+    for what, value, goal in ratios(res):
+      what = re.sub(r' \([0-9.e+-]+( s)? / [0-9.e+-]+ m?s,?[^)]*\)', '',
+                    what)
+      seen.setdefault((what, goal), []).append(value)
+  lines = [f'Every ratio over {len(runs)} run(s), lowest to highest (goal):',
+           '']
+  for (what, goal), values in seen.items():
+    got = [v for v in values if v is not None]
+    span = _span(got, '.2f') + 'x' if got else 'n/a'
+    lines.append(f'- {what}: {span} ({goal})')
+  return '\n'.join(lines)
 
 
 def _key(r: dict) -> tuple:
@@ -262,7 +411,8 @@ def _bandwidth_table(results: dict) -> list[str]:
 
 def _dlrm_table(results: dict) -> list[str]:
   lines = ['| contender | threads | train step ms, median (p10 to p90) | '
-           'compile s (trace s) | XLA temp MB | peak RSS MB | loss after |',
+           'compile s (trace s) | XLA temp MB | RSS MB added at setup | '
+           'loss, step 2 |',
            '| --- | --- | --- | --- | --- | --- | --- |']
   for c, label in DLRM_LABELS.items():
     for threads in (1, 2):
@@ -283,8 +433,8 @@ def _dlrm_table(results: dict) -> list[str]:
           f'| {label} | {threads} | '
           f'{_fmt(_median_over_rounds(runs, "train"))} | {comp_txt} | '
           f'{f"{np.median(temp):.1f}" if temp else ""} | '
-          f'{max(r["peak_rss_mb"] for r in runs):.0f} | '
-          f'{runs[-1].get("final_loss", math.nan):.4f} |')
+          f'{max(r.get("rss_added_mb", math.nan) for r in runs):.0f} | '
+          f'{runs[-1].get("first_loss", math.nan):.4f} |')
   return lines if len(lines) > 2 else []
 
 
@@ -303,7 +453,7 @@ def _target_table(results: dict, threads: int) -> list[str]:
   lines = [
       f'| contender ({threads} thread{"s" if threads > 1 else ""}) | '
       'train step ms, median (p10 to p90) | optimizer step alone ms | '
-      'compile s | peak RSS MB |',
+      'compile s | RSS MB added at setup |',
       '| --- | --- | --- | --- | --- |']
   cfg = dict(threads=threads, sweep='target')
   for c in ORDER:
@@ -316,7 +466,7 @@ def _target_table(results: dict, threads: int) -> list[str]:
       lines.append(f'| {LABELS[c]} | {note} | | | |')
       continue
     compile_s = np.median([r['compile_s'] for r in runs if 'compile_s' in r])
-    rss = max(r['peak_rss_mb'] for r in runs if 'peak_rss_mb' in r)
+    rss = max(r.get('rss_added_mb', math.nan) for r in runs)
     compile_txt = f'{compile_s:.2f}' if compile_s else '(eager)'
     lines.append(
         f'| {LABELS[c]} | {_fmt(_median_over_rounds(runs, "train"))} | '
@@ -449,7 +599,9 @@ def write(results: dict, out: str) -> str:
           '(transparent huge pages)' if results.get('huge_pages') else '')
   lines = [f'# lazy_optax benchmark ({results["mode"]} mode{smoke}{huge})',
            '',
-           f'Started {results["started"]}, {results["cpus"]} CPUs, load '
+           f'Started {results["started"]} on '
+           f'{results.get("machine", "an unnamed machine")}, '
+           f'{results["cpus"]} CPUs usable, load '
            f'average before {results["load_before"][0]:.2f}, after '
            f'{results.get("load_after", [math.nan])[0]:.2f}; '
            f'{results.get("elapsed_s", math.nan):.0f} s in all.', '',
@@ -505,8 +657,17 @@ def write(results: dict, out: str) -> str:
   return text
 
 
+def main() -> None:
+  paths = sys.argv[1:]
+  runs = []
+  for path in paths:
+    with open(path) as f:
+      runs.append(json.load(f))
+  if len(runs) == 1:
+    write(runs[0], os.path.dirname(os.path.abspath(paths[0])))
+  print(summary(runs) + '\n')
+  print(ratio_spans(runs))
+
+
 if __name__ == '__main__':
-  path = sys.argv[1]
-  with open(path) as f:
-    data = json.load(f)
-  print(write(data, os.path.dirname(os.path.abspath(path))))
+  main()

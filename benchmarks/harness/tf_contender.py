@@ -1,11 +1,13 @@
 """TensorFlow Addons' `LazyAdam` on the target configuration, in this process.
 
 TensorFlow 2.15 needs numpy < 2, so this module runs in an interpreter of
-its own (see benchmarks/README.md for the two commands that make it);
-`benchmarks/run.py --tf-python PATH` starts it from the repository root,
-pinned like every contender:
+its own (`python3 benchmarks/peers.py setup DIR` makes it);
+`benchmarks/run.py` starts it from the repository root with
+`$LAZY_OPTAX_TF_PYTHON` (or `--tf-python PATH`), pinned, in a process of
+its own, its rounds interleaved with the other processes' rounds
+(`benchmarks.common.serve`):
 
-    /work/venvs/tf/bin/python -m benchmarks.harness.tf_contender '{...}'
+    $LAZY_OPTAX_TF_PYTHON -m benchmarks.harness.tf_contender '[{...}]'
 
 The model and the ids are the lazy_optax target's (`contenders.py`): a
 `[rows, row]` float32 table and a `[row]` weight, `loss = mean((table[ids] @
@@ -13,14 +15,13 @@ w - 1)^2)`, the same Zipf id batches. The whole train step (`tf.gather` ->
 loss -> `GradientTape` -> `apply_gradients`, the table's gradient arriving as
 `IndexedSlices`) runs in one `tf.function`; the optimizer step alone applies
 prepared `IndexedSlices` gradients. Threads: `taskset` (by `run.py`) and TF's
-intra- and inter-op thread pools. Prints one JSON object on its last line.
+intra- and inter-op thread pools. A missing TensorFlow Addons skips it with
+a note.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import sys
 import time
 
 os.environ.setdefault('TF_CPP_MIN_LOG_LEVEL', '2')
@@ -30,13 +31,11 @@ import numpy as np
 from benchmarks.common import ids_digest
 from benchmarks.common import LR
 from benchmarks.common import make_batches
-from benchmarks.common import peak_rss_mb
-from benchmarks.common import rss_mb
-from benchmarks.common import time_loop
+from benchmarks.common import serve
 
 
-def run(cfg: dict) -> dict:
-  """Measures TF Addons' LazyAdam on one configuration; returns the results."""
+def build(cfg: dict) -> tuple[dict, dict]:
+  """`(info, steps)` of TF Addons' LazyAdam (`common.serve`'s `build`)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   tf.config.threading.set_intra_op_parallelism_threads(cfg['threads'])
@@ -47,19 +46,13 @@ def run(cfg: dict) -> dict:
   np_batches = make_batches(cfg)
   batches = [tf.constant(b) for b in np_batches]
   rng = np.random.default_rng(1)
-  rss_base = rss_mb()
-  result: dict = {'tf_version': tf.__version__,
-                  'tfa_version': tfa.__version__,
-                  'ids_digest': ids_digest(np_batches)}
-
-  def fresh():
-    table = tf.Variable(
-        rng.random((v, d), dtype=np.float32) * np.float32(0.02) - 0.01,
-        name='table')
-    w = tf.Variable(tf.ones((d,), tf.float32), name='w')
-    return table, w, tfa.optimizers.LazyAdam(learning_rate=LR)
-
-  table, w, opt = fresh()
+  info: dict = {'tf_version': tf.__version__, 'tfa_version': tfa.__version__,
+                'ids_digest': ids_digest(np_batches)}
+  table = tf.Variable(
+      rng.random((v, d), dtype=np.float32) * np.float32(0.02) - 0.01,
+      name='table')
+  w = tf.Variable(tf.ones((d,), tf.float32), name='w')
+  opt = tfa.optimizers.LazyAdam(learning_rate=LR)
 
   @tf.function
   def train_step(ids):
@@ -70,28 +63,23 @@ def run(cfg: dict) -> dict:
     opt.apply_gradients(zip(grads, [table, w]))
     return loss
 
-  t0 = time.perf_counter()
-  train_step(batches[0]).numpy()
-  result['first_step_s'] = time.perf_counter() - t0
-  result['compile_s'] = result['first_step_s']  # tracing + first run
-
   def run_train(k):
-    train_step(batches[k]).numpy()
+    train_step(batches[k % len(batches)]).numpy()
 
-  result['train'] = time_loop(run_train, len(batches), cfg)
-  del table, w, opt
+  t0 = time.perf_counter()
+  run_train(0)
+  info['first_step_s'] = info['compile_s'] = time.perf_counter() - t0
+  steps = {'train': run_train}
   if not cfg.get('opt', True):
-    result['rss_base_mb'] = rss_base
-    return result
+    return info, steps
 
-  table, w, opt = fresh()
+  # The optimizer step alone, on prepared IndexedSlices, on the same table.
   g_rng = np.random.default_rng(2)
-  grads_pool = []
-  for b in batches[:cfg['grad_pool']]:
-    vals = g_rng.normal(size=(int(b.shape[0]), d)).astype(np.float32)
-    grads_pool.append((tf.IndexedSlices(tf.constant(vals), b,
-                                        tf.constant([v, d])),
-                       tf.ones((d,), tf.float32)))
+  grads_pool = [
+      (b, tf.constant(g_rng.normal(size=(int(b.shape[0]), d)).astype(
+          np.float32)))
+      for b in batches[:cfg['grad_pool']]]
+  g_w = tf.ones((d,), tf.float32)
 
   @tf.function
   def opt_step(g_table, g_values, g_w):
@@ -100,28 +88,12 @@ def run(cfg: dict) -> dict:
     return opt.iterations
 
   def run_opt(k):
-    g, g_w = grads_pool[k % len(grads_pool)]
-    opt_step(g.indices, g.values, g_w).numpy()
+    ids, vals = grads_pool[k % len(grads_pool)]
+    opt_step(ids, vals, g_w).numpy()
 
-  result['opt'] = time_loop(run_opt, len(grads_pool), cfg)
-  result['rss_base_mb'] = rss_base
-  return result
-
-
-def main() -> None:
-  cfg = json.loads(sys.argv[1])
-  try:
-    import tensorflow  # noqa: F401  pylint: disable=unused-import
-    import tensorflow_addons  # noqa: F401  pylint: disable=unused-import
-  except ImportError as e:
-    print(json.dumps({'skipped': f'TensorFlow Addons is not importable in '
-                                 f'{sys.executable} ({e})'}))
-    return
-  result = run(cfg)
-  result['peak_rss_mb'] = peak_rss_mb()
-  result['cpus'] = sorted(os.sched_getaffinity(0))
-  print(json.dumps(result))
+  steps['opt'] = run_opt
+  return info, steps
 
 
 if __name__ == '__main__':
-  main()
+  serve(build)

@@ -1,9 +1,10 @@
 """Makes `fbgemm_rowwise_adagrad.npz`: FBGEMM's row-wise Adagrad, step by step.
 
 Run it with an interpreter that has FBGEMM (`fbgemm-gpu-cpu` 1.9.0 needs
-`torch==2.14.1`; see benchmarks/README.md), from the repository root:
+`torch==2.14.1`; `python3 benchmarks/peers.py setup DIR` makes one), from
+the repository root:
 
-    /work/venvs/fbgemm/bin/python tests/data/make_fbgemm_fixture.py
+    $LAZY_OPTAX_FBGEMM_PYTHON tests/data/make_fbgemm_fixture.py
 
 A float32 table of `rows x row` goes through `steps` train steps of FBGEMM's
 CPU table-batched embedding (`SplitTableBatchedEmbeddingBagsCodegen` on the
