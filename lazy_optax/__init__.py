@@ -2,10 +2,11 @@
 optimizer.
 
 The top level holds the core (`SparseRows`, `lazy`, `apply_updates`,
-`lookup`, `lookup_bag`, `value_and_grad`), the optimizers with their
-`scale_by_*` transformations and states, `kernel_status` and
-`explain_update` (which row-update implementation runs, and why), and the
-hashed id tables (`IdTable`, `reset_rows`, `split_ids`).
+`lookup`, `lookup_bag`, `value_and_grad`), `EmbeddingCollection` (many
+tables stacked by kind, with its `TableSpec`s and `FeatureSpec`s), the
+optimizers with their `scale_by_*` transformations and states,
+`kernel_status` and `explain_update` (which row-update implementation runs,
+and why), and the hashed id tables (`IdTable`, `reset_rows`, `split_ids`).
 The rest lives in submodules, one concept each: `lazy_optax.tree`
 (gradient-tree arithmetic, paths and labels), `lazy_optax.checks` (the
 checked mode), `lazy_optax.sharding` (row-sharded optimizer state),
@@ -33,6 +34,9 @@ from lazy_optax._src.adam_with_counter import adam_with_counter
 from lazy_optax._src.adam_with_counter import scale_by_adam_with_counter
 from lazy_optax._src.adam_with_counter import ScaleByAdamWithCounterState
 from lazy_optax._src.apply import apply_updates
+from lazy_optax._src.collection import EmbeddingCollection
+from lazy_optax._src.collection_plan import FeatureSpec
+from lazy_optax._src.collection_plan import TableSpec
 from lazy_optax._src.cowclip import cowclip
 from lazy_optax._src.cowclip import id_counts
 from lazy_optax._src.cowclip import lazy_adam_cowclip
@@ -81,6 +85,10 @@ __all__ = (
     'lookup',
     'lookup_bag',
     'value_and_grad',
+    # Many tables as one: stacked by kind, looked up and trained together.
+    'EmbeddingCollection',
+    'TableSpec',
+    'FeatureSpec',
     # Optimizers, their scaling transformations and states.
     'lazy_adam',
     'lazy_adamw',
