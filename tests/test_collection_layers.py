@@ -5,8 +5,9 @@ equals the functional API's step (`coll.lookup` under
 `lazy_optax.value_and_grad`) bit for bit, params and optimizer state, over
 two steps of a collection with two stacks, a shared table, bags with
 lengths and padding, and a table with its own learning-rate multiplier
-inside a stack; each stack's gradient is one `SparseRows`; untouched rows
-stay bit for bit, touched ones move. `tables()` gives the tables by name; a
+inside a stack, and bags of one shape from two tables of a stack read side
+by side; each stack's gradient is one `SparseRows`; untouched rows stay bit
+for bit, touched ones move. `tables()` gives the tables by name; a
 table's start does not depend on the plan; a wrong collection is refused.
 """
 
@@ -42,21 +43,25 @@ COLL = EmbeddingCollection(
      TableSpec('d', 5, 3, initializer=_uniform, lr_multiplier=4.0)],
     [FeatureSpec('fa', 'a'),
      FeatureSpec('fb', 'b', mode='sum', padding_id=0),
+     # Same ids shape as fb, another table of its stack: read side by side.
+     FeatureSpec('fd2', 'd', mode='mean'),
      FeatureSpec('fa2', 'a'),            # shares table a
      FeatureSpec('fc', 'c', mode='mean'),
      FeatureSpec('fd', 'd')],
     linear_in_lr=('default',))
 TX = COLL.optimizer({'default': lazy_optax.lazy_adam(0.05)})
-TARGET = {'fa': 0.3, 'fb': -0.2, 'fa2': 0.1, 'fc': 0.5, 'fd': -0.4}
+TARGET = {'fa': 0.3, 'fb': -0.2, 'fd2': 0.2, 'fa2': 0.1, 'fc': 0.5,
+          'fd': -0.4}
 
 
 def _batch(seed):
   rng = np.random.default_rng(seed)
   ids = {'fa': rng.integers(0, 5, B), 'fb': rng.integers(0, 4, (B, 3)),
          'fa2': rng.integers(0, 5, (B, 2)), 'fc': rng.integers(0, 4, (B, 2)),
-         'fd': rng.integers(0, 3, B)}
+         'fd': rng.integers(0, 3, B), 'fd2': rng.integers(0, 4, (B, 3))}
   ids = {k: jnp.asarray(v, jnp.int32) for k, v in ids.items()}
-  lengths = {'fb': jnp.array([3, 1, 2, 0]), 'fc': jnp.array([2, 1, 1, 2])}
+  lengths = {'fb': jnp.array([3, 1, 2, 0]), 'fc': jnp.array([2, 1, 1, 2]),
+             'fd2': jnp.array([1, 3, 2, 1])}
   return ids, lengths
 
 
@@ -74,7 +79,7 @@ def _touched():
     ids = {k: np.asarray(v) for k, v in ids.items()}
     rows['a'] |= set(ids['fa'].ravel()) | set(ids['fa2'].ravel())
     rows['d'] |= set(ids['fd'].ravel())
-    for f, t in (('fb', 'b'), ('fc', 'c')):
+    for f, t in (('fb', 'b'), ('fc', 'c'), ('fd2', 'd')):
       for bag, n in zip(ids[f], np.asarray(lengths[f])):
         rows[t] |= {i for i in bag[:n] if not (f == 'fb' and i == 0)}
   return rows
