@@ -17,7 +17,10 @@ eqx.is_array)`, and apply the updates with
 `SparseRows`).
 
 `EmbeddingBag` pools bags of ids (`lazy_optax.lookup_bag`: PyTorch's
-`nn.EmbeddingBag`). Both layers take a `padding_id` and follow
+`nn.EmbeddingBag`). `EmbeddingCollection` holds a
+`lazy_optax.EmbeddingCollection`'s stacked tables (one array a stack) and
+looks up all its features at once. Every layer takes a `padding_id` (the
+collection: in each `FeatureSpec`) and follows
 `lazy_optax.lookup`'s rule for ids outside the table: they read zero rows and
 never produce a gradient row.
 
@@ -27,7 +30,7 @@ Equinox is installed: `import lazy_optax` never imports Equinox.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 try:
   import equinox as eqx
@@ -36,7 +39,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
       'lazy_optax.equinox needs Equinox: pip install equinox (or '
       "pip install 'lazy_optax[examples]').") from e
 import jax
+import jax.numpy as jnp
 
+from lazy_optax._src import collection as _collection
 from lazy_optax._src import lookups
 from lazy_optax._src.apply import apply_updates as _apply_updates
 from lazy_optax._src.grads import value_and_grad
@@ -240,6 +245,114 @@ def apply_updates(model: Any, updates: Any) -> Any:
                       is_leaf=lambda x: x is None or is_sparse_rows(x))
 
 
+# -- many tables as one (lazy_optax.EmbeddingCollection) ----------------------
+
+def _checked_stacks(collection: _collection.EmbeddingCollection,
+                    stacks: Mapping[str, Any], where: str
+                    ) -> dict[str, jax.Array]:
+  """`stacks` as arrays, each of its stack's shape and dtype."""
+  names = [s.name for s in collection.plan]
+  if not isinstance(stacks, Mapping) or sorted(stacks) != sorted(names):
+    got = sorted(stacks) if isinstance(stacks, Mapping) else type(stacks)
+    raise ValueError(f'{where}: stacks must be {{stack name: array}} for the '
+                     f'stacks {names}, got {got}.')
+  for s in collection.plan:
+    a = stacks[s.name]
+    if jnp.shape(a) != (s.rows, s.width) or jnp.result_type(a) != s.dtype:
+      raise ValueError(f'{where}: stack {s.name!r} is {jnp.result_type(a)}'
+                       f'{list(jnp.shape(a))}, its plan is {s.dtype}'
+                       f'[{s.rows}, {s.width}].')
+  return {s.name: jnp.asarray(stacks[s.name]) for s in collection.plan}
+
+
+class EmbeddingCollection(eqx.Module):
+  """A `lazy_optax.EmbeddingCollection`'s tables, in Equinox.
+
+  `stacks` holds one array a stack of the collection's plan, named by the
+  stack (`[stack rows, width]`), as `collection.init(key)` gives them; the
+  collection is a static field. Called on `{feature: ids}` (whole batches,
+  not under `jax.vmap`), it looks up every feature given with one read a
+  stack: under `filter_value_and_grad` each stack's gradient is one
+  `SparseRows`. Train with `collection.optimizer(...)` on
+  `eqx.filter(model, eqx.is_array)` (a leaf belongs to the stack its last
+  path key names) and `apply_updates`. `tables()` gives each table by name.
+
+  Example:
+    >>> import equinox as eqx, jax, jax.numpy as jnp
+    >>> import lazy_optax, lazy_optax.equinox
+    >>> coll = lazy_optax.EmbeddingCollection(
+    ...     [lazy_optax.TableSpec('user', 100, 4),
+    ...      lazy_optax.TableSpec('item', 50, 4)])
+    >>> model = lazy_optax.equinox.EmbeddingCollection(
+    ...     coll, key=jax.random.key(0))
+    >>> tx = coll.optimizer({'default': lazy_optax.lazy_adam(0.1)})
+    >>> opt_state = tx.init(eqx.filter(model, eqx.is_array))
+    >>> ids = {'user': jnp.array([3, 7]), 'item': jnp.array([1, 1])}
+    >>> loss_fn = lambda model, ids: jnp.sum(model(ids)['user'] ** 2)
+    >>> loss, grads = lazy_optax.equinox.filter_value_and_grad(loss_fn)(
+    ...     model, ids)
+    >>> grads.stacks['default_float32_4']
+    SparseRows(num_rows=150, ids=4, row_shape=(4,), dtype=float32)
+    >>> updates, opt_state = tx.update(grads, opt_state,
+    ...                                eqx.filter(model, eqx.is_array))
+    >>> model = lazy_optax.equinox.apply_updates(model, updates)
+    >>> model.tables()['item'].shape
+    (50, 4)
+  """
+
+  stacks: dict[str, jax.Array]
+  collection: _collection.EmbeddingCollection = eqx.field(static=True)
+
+  def __init__(self, collection: _collection.EmbeddingCollection, *,
+               stacks: Optional[Mapping[str, Any]] = None, key: Any = None):
+    """Builds the layer, from a key or from its stacks.
+
+    Args:
+      collection: the `lazy_optax.EmbeddingCollection`.
+      stacks: the initial stacks `{stack name: array}` (instead of the key;
+        `collection.params_from_tables` makes them from separate tables).
+      key: a `jax.random` key for `collection.init`.
+    """
+    where = 'lazy_optax.equinox.EmbeddingCollection'
+    if not isinstance(collection, _collection.EmbeddingCollection):
+      raise TypeError(f'{where}: collection must be a '
+                      'lazy_optax.EmbeddingCollection, got '
+                      f'{type(collection).__name__}.')
+    if (stacks is None) == (key is None):
+      raise ValueError(f'{where}: give either key or stacks.')
+    self.stacks = (collection.init(key) if stacks is None
+                   else _checked_stacks(collection, stacks, where))
+    self.collection = collection
+
+  def __call__(self, ids_by_feature: Mapping[str, Any], *,
+               lengths: Optional[Mapping[str, Any]] = None,
+               masks: Optional[Mapping[str, Any]] = None,
+               weights: Optional[Mapping[str, Any]] = None,
+               key: Any = None) -> dict[str, jax.Array]:
+    """Each feature's rows (`EmbeddingCollection.lookup`).
+
+    Args:
+      ids_by_feature: `{feature name: integer ids}`, for some or all
+        features.
+      lengths: optional `{bag feature: [batch] lengths}`.
+      masks: optional `{bag feature: boolean [batch, max_len]}`.
+      weights: optional `{bag feature: [batch, max_len] weights}`.
+      key: ignored (Equinox's layer signature).
+
+    Returns:
+      `{feature name: array}`: `ids.shape + (width,)` for single ids,
+      `[batch, width]` for bags.
+    """
+    del key
+    return self.collection.lookup(self.stacks, ids_by_feature,
+                                  lengths=lengths, masks=masks,
+                                  weights=weights)
+
+  def tables(self) -> dict[str, jax.Array]:
+    """Each table by name (`EmbeddingCollection.tables`)."""
+    return self.collection.tables(self.stacks)
+
+
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
 
 def _check_id_table(table: Any, where: str) -> IdTable:
@@ -335,5 +448,7 @@ class HashEmbeddingBag(EmbeddingBag):
 
 __all__ = ('apply_updates', 'Embedding', 'EmbeddingBag',
            'filter_value_and_grad',
+           # Many tables as one.
+           'EmbeddingCollection',
            # Hashed ids.
            'HashEmbedding', 'HashEmbeddingBag')

@@ -12,7 +12,10 @@ giving the ordinary dense gradient. A table that the model also uses through
 parts, since its `[batch, num_embeddings]` logits touch every row anyway.
 
 `EmbedBag` and `NnxEmbedBag` pool bags of ids (`lazy_optax.lookup_bag`:
-PyTorch's `nn.EmbeddingBag`). Every layer takes a `padding_id`, and follows
+PyTorch's `nn.EmbeddingBag`). `EmbedCollection` and `NnxEmbedCollection`
+hold a `lazy_optax.EmbeddingCollection`'s stacked tables (one parameter a
+stack) and look up all its features at once. Every layer takes a
+`padding_id` (the collections: in each `FeatureSpec`), and follows
 `lazy_optax.lookup`'s rule for ids outside the table: they read zero rows and
 never produce a gradient row (`nn.Embed` reads NaN rows for them).
 
@@ -22,7 +25,7 @@ installed: `import lazy_optax` never imports Flax.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 try:
   from flax import nnx
@@ -35,6 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from lazy_optax._src import lookups
+from lazy_optax._src.collection import EmbeddingCollection
 from lazy_optax._src.grads import value_and_grad
 from lazy_optax._src.id_table import IdTable
 from lazy_optax._src.reset_rows import reset_rows
@@ -315,6 +319,181 @@ def nnx_value_and_grad(
   return wrapped
 
 
+# -- many tables as one (lazy_optax.EmbeddingCollection) ----------------------
+
+def _check_collection(collection: Any, where: str) -> EmbeddingCollection:
+  if not isinstance(collection, EmbeddingCollection):
+    raise TypeError(f'{where}: collection must be a '
+                    'lazy_optax.EmbeddingCollection, got '
+                    f'{type(collection).__name__}.')
+  return collection
+
+
+class EmbedCollection(nn.Module):
+  """A `lazy_optax.EmbeddingCollection`'s tables, in Flax linen.
+
+  One parameter a stack of the collection's plan, named by the stack
+  (`[stack rows, width]`); `init` gives them as `collection.init(key)` does
+  for the module's `'params'` key, so each table starts as its initializer
+  gives it alone. Calling the module looks up every feature given, with one
+  read a stack (`collection.lookup`): under `lazy_optax.value_and_grad`
+  each stack's gradient is one `SparseRows`. Train the stacks with
+  `collection.optimizer(...)`, alone or inside an `optax.partition` with
+  the rest of the model (a leaf belongs to the stack its last path key
+  names). `tables()` gives each table by name.
+
+  Attributes:
+    collection: the `lazy_optax.EmbeddingCollection`.
+    dtype: optional dtype of the returned rows.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> import lazy_optax, lazy_optax.flax
+    >>> coll = lazy_optax.EmbeddingCollection(
+    ...     [lazy_optax.TableSpec('user', 100, 4),
+    ...      lazy_optax.TableSpec('item', 50, 4)])
+    >>> model = lazy_optax.flax.EmbedCollection(coll)
+    >>> ids = {'user': jnp.array([3, 7]), 'item': jnp.array([1, 1])}
+    >>> params = model.init(jax.random.key(0), ids)['params']
+    >>> jax.tree.map(jnp.shape, params)
+    {'default_float32_4': (150, 4)}
+    >>> tx = coll.optimizer({'default': lazy_optax.lazy_adam(0.1)})
+    >>> def loss_fn(params):
+    ...   out = model.apply({'params': params}, ids)
+    ...   return jnp.sum(out['user'] * out['item'])
+    >>> loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
+    >>> grads['default_float32_4']
+    SparseRows(num_rows=150, ids=4, row_shape=(4,), dtype=float32)
+    >>> updates, opt_state = tx.update(grads, tx.init(params), params)
+    >>> params = lazy_optax.apply_updates(params, updates)
+    >>> tables = model.apply({'params': params}, method='tables')
+    >>> tables['item'].shape
+    (50, 4)
+  """
+
+  collection: EmbeddingCollection
+  dtype: Optional[Any] = None
+
+  def setup(self):
+    coll = _check_collection(self.collection,
+                             'lazy_optax.flax.EmbedCollection')
+    # One key for all stacks: each table's rows are those of
+    # `collection.init(key)`, whatever the plan.
+    values = (coll.init(self.make_rng('params'))
+              if self.is_initializing() else None)
+
+    def init(key, name):
+      return (values if values is not None else coll.init(key))[name]
+
+    self.stacks = {s.name: self.param(s.name, init, s.name)
+                   for s in coll.plan}
+
+  def __call__(self, ids_by_feature: Mapping[str, Any], *,
+               lengths: Optional[Mapping[str, Any]] = None,
+               masks: Optional[Mapping[str, Any]] = None,
+               weights: Optional[Mapping[str, Any]] = None
+               ) -> dict[str, jax.Array]:
+    """Each feature's rows (`EmbeddingCollection.lookup`).
+
+    Args:
+      ids_by_feature: `{feature name: integer ids}`, for some or all
+        features.
+      lengths: optional `{bag feature: [batch] lengths}`.
+      masks: optional `{bag feature: boolean [batch, max_len]}`.
+      weights: optional `{bag feature: [batch, max_len] weights}`.
+
+    Returns:
+      `{feature name: array}`: `ids.shape + (width,)` for single ids,
+      `[batch, width]` for bags.
+    """
+    return self.collection.lookup(self.stacks, ids_by_feature,
+                                  lengths=lengths, masks=masks,
+                                  weights=weights, dtype=self.dtype)
+
+  def tables(self) -> dict[str, jax.Array]:
+    """Each table by name (`EmbeddingCollection.tables`): `apply(...,
+    method='tables')`."""
+    return self.collection.tables(self.stacks)
+
+
+class NnxEmbedCollection(nnx.Module):
+  """A `lazy_optax.EmbeddingCollection`'s tables, in Flax nnx.
+
+  `stacks` holds one `nnx.Param` a stack of the collection's plan, named by
+  the stack; they start as `collection.init(rngs.params())` gives them.
+  Calling the module looks up every feature given, with one read a stack;
+  differentiate with `nnx_value_and_grad` to get each stack's gradient as
+  one `SparseRows`, and train with `nnx.Optimizer(model,
+  collection.optimizer(...), wrt=nnx.Param)`. `tables()` gives each table
+  by name.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> import lazy_optax, lazy_optax.flax
+    >>> coll = lazy_optax.EmbeddingCollection(
+    ...     [lazy_optax.TableSpec('user', 100, 4),
+    ...      lazy_optax.TableSpec('item', 50, 8)])
+    >>> model = lazy_optax.flax.NnxEmbedCollection(coll, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx.Optimizer(
+    ...     model, coll.optimizer({'default': lazy_optax.lazy_adam(0.1)}),
+    ...     wrt=nnx.Param)
+    >>> def loss_fn(model):
+    ...   out = model({'user': jnp.array([3]), 'item': jnp.array([[1, 2]])})
+    ...   return jnp.sum(out['user'] ** 2) + jnp.sum(out['item'] ** 2)
+    >>> loss, grads = lazy_optax.flax.nnx_value_and_grad(loss_fn)(model)
+    >>> grads['stacks']['default_float32_8'].get_value()
+    SparseRows(num_rows=50, ids=2, row_shape=(8,), dtype=float32)
+    >>> _ = optimizer.update(model, grads)
+    >>> model.tables()['item'].shape
+    (50, 8)
+  """
+
+  def __init__(self, collection: EmbeddingCollection, *,
+               dtype: Optional[Any] = None, rngs: nnx.Rngs):
+    """Builds the layer.
+
+    Args:
+      collection: the `lazy_optax.EmbeddingCollection`.
+      dtype: optional dtype of the returned rows.
+      rngs: its `params` stream gives the key of `collection.init`.
+    """
+    self.collection = _check_collection(
+        collection, 'lazy_optax.flax.NnxEmbedCollection')
+    self.dtype = dtype
+    self.stacks = nnx.Dict({name: nnx.Param(value) for name, value in
+                            collection.init(rngs.params()).items()})
+
+  def _values(self) -> dict[str, jax.Array]:
+    return {name: param[...] for name, param in self.stacks.items()}
+
+  def __call__(self, ids_by_feature: Mapping[str, Any], *,
+               lengths: Optional[Mapping[str, Any]] = None,
+               masks: Optional[Mapping[str, Any]] = None,
+               weights: Optional[Mapping[str, Any]] = None
+               ) -> dict[str, jax.Array]:
+    """Each feature's rows (`EmbeddingCollection.lookup`).
+
+    Args:
+      ids_by_feature: `{feature name: integer ids}`, for some or all
+        features.
+      lengths: optional `{bag feature: [batch] lengths}`.
+      masks: optional `{bag feature: boolean [batch, max_len]}`.
+      weights: optional `{bag feature: [batch, max_len] weights}`.
+
+    Returns:
+      `{feature name: array}`: `ids.shape + (width,)` for single ids,
+      `[batch, width]` for bags.
+    """
+    return self.collection.lookup(self._values(), ids_by_feature,
+                                  lengths=lengths, masks=masks,
+                                  weights=weights, dtype=self.dtype)
+
+  def tables(self) -> dict[str, jax.Array]:
+    """Each table by name (`EmbeddingCollection.tables`)."""
+    return self.collection.tables(self._values())
+
+
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
 
 def _check_id_table(table: Any, where: str) -> IdTable:
@@ -545,6 +724,8 @@ def nnx_reset_rows(model: nnx.Module, optimizer: nnx.Optimizer,
 
 __all__ = ('Embed', 'EmbedBag', 'NnxEmbed', 'NnxEmbedBag',
            'nnx_value_and_grad',
+           # Many tables as one.
+           'EmbedCollection', 'NnxEmbedCollection',
            # Hashed ids.
            'HashEmbed', 'HashEmbedBag', 'NnxHashEmbed', 'NnxHashEmbedBag',
            'nnx_reset_rows')

@@ -9,7 +9,10 @@ ordinary dense gradient. Haiku's `opt.update(grads, opt_state)` (no params)
 then `optax.apply_updates` take that gradient as it is.
 
 `EmbedBag` pools bags of ids (`lazy_optax.lookup_bag`: PyTorch's
-`nn.EmbeddingBag`). Both layers take a `padding_id`, and follow
+`nn.EmbeddingBag`). `EmbedCollection` holds a
+`lazy_optax.EmbeddingCollection`'s stacked tables (one parameter a stack) and
+looks up all its features at once. Every layer takes a `padding_id` (the
+collection: in each `FeatureSpec`), and follows
 `lazy_optax.lookup`'s rule for ids outside the table: they read zero rows and
 never produce a gradient row (`hk.Embed` clamps them onto the last row).
 
@@ -19,7 +22,7 @@ installed: `import lazy_optax` never imports Haiku.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 try:
   import haiku as hk
@@ -31,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from lazy_optax._src import lookups
+from lazy_optax._src.collection import EmbeddingCollection
 from lazy_optax._src.id_table import IdTable
 
 
@@ -155,6 +159,94 @@ class EmbedBag(Embed):
         path=self._path(), caller='lazy_optax.haiku.EmbedBag')
 
 
+# -- many tables as one (lazy_optax.EmbeddingCollection) ----------------------
+
+class EmbedCollection(hk.Module):
+  """A `lazy_optax.EmbeddingCollection`'s tables, in Haiku.
+
+  One parameter a stack of the collection's plan, named by the stack
+  (`[stack rows, width]`); `init` gives them as `collection.init(key)` does
+  for one key of the module, so each table starts as its initializer gives
+  it alone. Calling the module looks up every feature given, with one read
+  a stack (`collection.lookup`): under `lazy_optax.value_and_grad` each
+  stack's gradient is one `SparseRows`. Train the stacks with
+  `collection.optimizer(...)`, alone or inside an `optax.partition` with
+  the rest of the model (a leaf belongs to the stack its last path key
+  names). `tables()` gives each table by name.
+
+  Example:
+    >>> import haiku as hk, jax, jax.numpy as jnp
+    >>> import lazy_optax, lazy_optax.haiku
+    >>> coll = lazy_optax.EmbeddingCollection(
+    ...     [lazy_optax.TableSpec('user', 100, 4),
+    ...      lazy_optax.TableSpec('item', 50, 4)])
+    >>> f = hk.without_apply_rng(hk.transform(
+    ...     lambda ids: lazy_optax.haiku.EmbedCollection(coll)(ids)))
+    >>> ids = {'user': jnp.array([3, 7]), 'item': jnp.array([1, 1])}
+    >>> params = f.init(jax.random.key(0), ids)
+    >>> jax.tree.map(jnp.shape, params)
+    {'embed_collection': {'default_float32_4': (150, 4)}}
+    >>> loss_fn = lambda p: jnp.sum(f.apply(p, ids)['user'] ** 2)
+    >>> loss, grads = lazy_optax.value_and_grad(loss_fn)(params)
+    >>> grads['embed_collection']['default_float32_4']
+    SparseRows(num_rows=150, ids=4, row_shape=(4,), dtype=float32)
+  """
+
+  def __init__(self, collection: EmbeddingCollection,
+               name: Optional[str] = None):
+    """Builds the layer.
+
+    Args:
+      collection: the `lazy_optax.EmbeddingCollection`.
+      name: the module's name (default `'embed_collection'`).
+    """
+    super().__init__(name=name)
+    if not isinstance(collection, EmbeddingCollection):
+      raise TypeError('lazy_optax.haiku.EmbedCollection: collection must be '
+                      'a lazy_optax.EmbeddingCollection, got '
+                      f'{type(collection).__name__}.')
+    self.collection = collection
+
+  def _stacks(self) -> dict[str, jax.Array]:
+    # One key for all stacks: each table's rows are those of
+    # `collection.init(key)`, whatever the plan.
+    values = (self.collection.init(hk.next_rng_key()) if hk.running_init()
+              else {})
+
+    def init(name: str) -> Callable[..., jax.Array]:
+      return lambda shape, dtype: values[name]
+
+    return {s.name: hk.get_parameter(s.name, (s.rows, s.width), s.dtype,
+                                     init=init(s.name))
+            for s in self.collection.plan}
+
+  def __call__(self, ids_by_feature: Mapping[str, Any], *,
+               lengths: Optional[Mapping[str, Any]] = None,
+               masks: Optional[Mapping[str, Any]] = None,
+               weights: Optional[Mapping[str, Any]] = None
+               ) -> dict[str, jax.Array]:
+    """Each feature's rows (`EmbeddingCollection.lookup`).
+
+    Args:
+      ids_by_feature: `{feature name: integer ids}`, for some or all
+        features.
+      lengths: optional `{bag feature: [batch] lengths}`.
+      masks: optional `{bag feature: boolean [batch, max_len]}`.
+      weights: optional `{bag feature: [batch, max_len] weights}`.
+
+    Returns:
+      `{feature name: array}`: `ids.shape + (width,)` for single ids,
+      `[batch, width]` for bags.
+    """
+    return self.collection.lookup(self._stacks(), ids_by_feature,
+                                  lengths=lengths, masks=masks,
+                                  weights=weights)
+
+  def tables(self) -> dict[str, jax.Array]:
+    """Each table by name (`EmbeddingCollection.tables`)."""
+    return self.collection.tables(self._stacks())
+
+
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
 
 def _check_id_table(table: Any, where: str) -> IdTable:
@@ -234,5 +326,7 @@ class HashEmbedBag(EmbedBag):
 
 
 __all__ = ('Embed', 'EmbedBag',
+           # Many tables as one.
+           'EmbedCollection',
            # Hashed ids.
            'HashEmbed', 'HashEmbedBag')

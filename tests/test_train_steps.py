@@ -19,7 +19,7 @@ GUIDE = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
 @pytest.mark.cpu_kernels
 def test_every_python_block_of_the_guide_runs_in_order():
   blocks = re.findall(r'```python\n(.*?)```', GUIDE.read_text(), re.S)
-  assert len(blocks) == 8
+  assert len(blocks) == 9
   # The Haiku block runs where Haiku is installed (an optional dependency);
   # elsewhere a stand-in draws its 51 batches, so that the next blocks
   # train on the same data.
@@ -39,7 +39,8 @@ def test_every_python_block_of_the_guide_runs_in_order():
         exec(compile(code, f'{GUIDE.name}[block {i}]', 'exec'), namespace)
       except Exception as e:
         raise AssertionError(f'guide block {i} failed:\n{code}') from e
-  for name in ('params', 'state', 'nnx_state', 'hk_params', 'eqx_model'):
+  for name in ('params', 'state', 'nnx_state', 'hk_params', 'eqx_model',
+               'coll_params'):
     assert name in namespace or (name == 'hk_params' and not haiku), name
   # The steps trained: each framework's last loss is well below the first.
   assert float(namespace['loss']) < 1.0
@@ -49,6 +50,7 @@ def test_every_python_block_of_the_guide_runs_in_order():
       'The row ids of parameter table were changed by arithmetic')
   assert 'lazy_optax.tree.add(g1, g2)' in namespace['refused']
   assert not namespace['params']['table'].is_deleted()
+  assert float(namespace['coll_loss']) < 1.0
   # Every framework's step reaches the fused CPU row update of lazy_adam.
   ns, batch = namespace, namespace['batch']
   lowered = {
@@ -61,6 +63,9 @@ def test_every_python_block_of_the_guide_runs_in_order():
           ns['hk_params'], ns['hk_opt_state'], *batch()),
       'equinox': ns['eqx_step'].lower(batch(), ns['eqx_model'],
                                       ns['eqx_opt_state']),
+      'collection': ns['coll_step'].lower(ns['coll_params'],
+                                          ns['coll_opt_state'],
+                                          *ns['coll_batch']()),
   }
   if not haiku:
     del lowered['haiku']
