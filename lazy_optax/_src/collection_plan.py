@@ -75,7 +75,7 @@ class TableSpec:
   name: str
   rows: int
   width: int
-  dtype: Any = jnp.float32
+  dtype: Any = 'float32'
   initializer: Optional[Initializer] = None
   optimizer: str = 'default'
   lr_multiplier: float = 1.0
