@@ -80,10 +80,10 @@ def test_forced_stack():
   assert [(s.name, s.tables, s.offsets) for s in coll.plan] == [
       ('s', ('a', 'c'), (0, 5)), ('default_float32_4', ('b',), (0,))]
   with pytest.raises(ValueError, match=r"stack 's': tables 'a' and 'c' "
-                     r"cannot share it: their width differ \(4 vs 8\)"):
+                     r"cannot share it: they differ in width \(4 vs 8\)"):
     EmbeddingCollection([TableSpec('a', 5, 4, stack='s'),
                          TableSpec('c', 2, 8, stack='s')])
-  with pytest.raises(ValueError, match="their lr_multiplier differ"):
+  with pytest.raises(ValueError, match="they differ in lr_multiplier"):
     EmbeddingCollection([TableSpec('a', 5, 4, stack='s'),
                          TableSpec('c', 2, 4, stack='s', lr_multiplier=3)])
 
@@ -292,6 +292,7 @@ def test_out_of_range_ids_touch_no_neighbour_under_jit():
   dense = np.asarray(grads[stack.name].to_dense())
   old, now = np.asarray(params[stack.name]), np.asarray(new[stack.name])
   mu = np.asarray(lazy_optax.compat.get_slot(new_state, stack.name, 'm'))
+  nu = np.asarray(lazy_optax.compat.get_slot(new_state, stack.name, 'v'))
   for row in range(stack.rows):
     if row in touched:
       assert np.all(dense[row] != 0) and np.all(now[row] != old[row]), row
@@ -299,6 +300,7 @@ def test_out_of_range_ids_touch_no_neighbour_under_jit():
       np.testing.assert_array_equal(dense[row], 0.0, err_msg=str(row))
       np.testing.assert_array_equal(now[row], old[row], err_msg=str(row))
       np.testing.assert_array_equal(mu[row], 0.0, err_msg=str(row))
+      np.testing.assert_array_equal(nu[row], 0.0, err_msg=str(row))
 
 
 def test_checked_mode_names_the_table():

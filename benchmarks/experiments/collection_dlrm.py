@@ -19,8 +19,9 @@ jitted and donated:
 
 For each thread count a worker process, pinned with `taskset` to that many
 cores, builds all four (timing the trace and compilation of each), then
-runs them in turn, blocks of steps per round, so that each sees the same
-machine; it reports the median step time of each. The driver prints the
+runs them in turn, blocks of steps per round (the order turning, the
+first step of each block untimed), so that each sees the same machine; it
+reports the median wall and CPU time of a step of each. The driver prints the
 times and the ratios (collection / concat, collection / separate, dense /
 collection, and the compile times against dense `optax.adam`'s).
 """
@@ -116,14 +117,17 @@ def worker(cfg: dict, rounds: int) -> dict:
   samples: dict[str, list[float]] = {n: [] for n in NAMES}
   cpu: dict[str, list[float]] = {n: [] for n in NAMES}
   for r in range(rounds + 1):          # round 0 warms up
-    for name in NAMES:
+    # The order turns each round, and each block starts with a step that is
+    # not timed: none starts cold after another's (dense's steps sweep
+    # every table).
+    for name in NAMES[r % 4:] + NAMES[:r % 4]:
       run = runs[name]
-      for _ in range(2 if name == 'dense' else 8):
+      for i in range(3 if name == 'dense' else 9):
         compiled, params, state, batches, k = run
         t0, c0 = time.perf_counter(), time.process_time()
         params, state, loss = compiled(params, state, batches[k % len(batches)])
         loss.block_until_ready()
-        if r:
+        if r and i:
           samples[name].append(time.perf_counter() - t0)
           cpu[name].append(time.process_time() - c0)
         run[1:] = [params, state, batches, k + 1]

@@ -51,7 +51,7 @@ def _unique(names: Sequence[str], what: str) -> None:
 class EmbeddingCollection:
   """Embedding tables stacked by kind, looked up and trained as one.
 
-  Declared once from `TableSpec`s and `FeatureSpec`s; the plan (`plan`:
+  Declared once from `TableSpec` and `FeatureSpec` specs; the plan (`plan`:
   which tables share which stacked array, at which offsets) is decided at
   construction from the specs alone. Frozen, hashable and compared by value,
   so it can be a static argument or a field of a Flax/Equinox module.
@@ -68,17 +68,18 @@ class EmbeddingCollection:
   gives each table by name.
 
   Args:
-    tables: the `TableSpec`s (names unique).
-    features: the `FeatureSpec`s (names unique, each naming a table). None
-      or empty: one feature of single ids per table, named as the table.
+    tables: the tables, `TableSpec` specs (names unique).
+    features: the features, `FeatureSpec` specs (names unique, each naming
+      a table). None or empty: one feature of single ids per table, named
+      as the table.
     linear_in_lr: optimizer labels whose update is linear in the learning
       rate, declared by the user: their tables stack across multipliers.
 
   Attributes:
-    table_specs: the `TableSpec`s, a tuple.
-    feature_specs: the `FeatureSpec`s, a tuple.
+    table_specs: the table specs, a tuple.
+    feature_specs: the feature specs, a tuple.
     linear_in_lr: a tuple.
-    plan: the `Stack`s, decided at construction.
+    plan: the stacks (`Stack` objects), decided at construction.
 
   Example:
     >>> import jax, jax.numpy as jnp

@@ -75,7 +75,7 @@ class TableSpec:
   name: str
   rows: int
   width: int
-  dtype: Any = jnp.float32
+  dtype: Any = 'float32'
   initializer: Optional[Initializer] = None
   optimizer: str = 'default'
   lr_multiplier: float = 1.0
@@ -210,7 +210,7 @@ def _check_forced(name: str, specs: Sequence[TableSpec], linear: bool) -> None:
       if getattr(spec, field) != getattr(first, field):
         raise ValueError(
             f'stack {name!r}: tables {first.name!r} and {spec.name!r} cannot '
-            f'share it: their {field} differ ({getattr(first, field)!r} vs '
+            f'share it: they differ in {field} ({getattr(first, field)!r} vs '
             f'{getattr(spec, field)!r}). Tables of a stack need the same '
             'width, dtype and optimizer label'
             + ('.' if linear else ', and the same lr_multiplier unless their '
