@@ -2,8 +2,9 @@
 tables, for every optimizer of tests/optimizer_cases.py (`CASES`).
 
 The model: three tables of width 3 (learning-rate multipliers 1, 2 and
-0.5), four features (single ids, a bag of sums with padding id 0, a second
-feature of single ids on the first table, a bag of means with lengths) and
+0.5), five features (single ids of two tables read side by side, a second
+feature of single ids on the first table, a bag of sums with padding id 0,
+a bag of means with lengths on a table another feature reads too) and
 a dense weight trained with `optax.adam`; 3 jitted steps. The reference
 looks each feature up with `lookup` / `lookup_bag` on its own table, in the
 features' order, with each table's optimizer `case.make(lr * multiplier)`
@@ -37,9 +38,12 @@ from lazy_optax import TableSpec
 STEPS, BATCH = 3, 4
 MULTIPLIERS = {'a': 1.0, 'b': 2.0, 'c': 0.5}
 ROWS = {'a': 7, 'b': 6, 'c': 8}
+# fa and fc1 are read as one run (one ids shape, two tables); fa2 starts
+# another (table a again); then the bags.
 FEATURES = (FeatureSpec('fa', 'a'),
-            FeatureSpec('fb', 'b', mode='sum', padding_id=0),
+            FeatureSpec('fc1', 'c'),
             FeatureSpec('fa2', 'a'),
+            FeatureSpec('fb', 'b', mode='sum', padding_id=0),
             FeatureSpec('fc', 'c', mode='mean'))
 # Rules whose update is linear in the learning rate (also
 # partial_rowwise_adam and lazy_adam+cowclip), one of each family run with
@@ -60,6 +64,7 @@ def _batches():
   for _ in range(STEPS):
     fb = rng.integers(0, 4, (BATCH, 3)).astype(np.int32)  # rows 4, 5 unused
     out.append(({'fa': rng.integers(0, 5, BATCH).astype(np.int32),
+                 'fc1': rng.integers(1, 4, BATCH).astype(np.int32),
                  'fb': fb,
                  'fa2': rng.integers(2, 5, BATCH).astype(np.int32),
                  'fc': rng.integers(0, 6, (BATCH, 2)).astype(np.int32)},
@@ -83,9 +88,10 @@ def _loss(rows, w):
 def _separate_rows(tables, ids, lengths):
   return {
       'fa': lazy_optax.lookup(tables['a'], ids['fa']),
+      'fc1': lazy_optax.lookup(tables['c'], ids['fc1']),
+      'fa2': lazy_optax.lookup(tables['a'], ids['fa2']),
       'fb': lazy_optax.lookup_bag(tables['b'], ids['fb'], mode='sum',
                                   padding_id=0),
-      'fa2': lazy_optax.lookup(tables['a'], ids['fa2']),
       'fc': lazy_optax.lookup_bag(tables['c'], ids['fc'], mode='mean',
                                   lengths=lengths['fc'])}
 
@@ -145,6 +151,7 @@ def _touched():
   for ids, lengths in _batches():
     seen['a'].update(ids['fa'].tolist() + ids['fa2'].tolist())
     seen['b'].update(i for i in ids['fb'].reshape(-1).tolist() if i != 0)
+    seen['c'].update(ids['fc1'].tolist())
     for b, n in enumerate(lengths['fc']):
       seen['c'].update(ids['fc'][b, :n].tolist())
   return seen

@@ -12,11 +12,12 @@ An id outside its own table's rows never lands on a neighbour: it becomes id
 `EmbeddingCollection.check_ids` names its table. Padding and masked slots
 stay inactive, as in `lookup` and `lookup_bag`.
 
-The features of a stack are read in their declared order (their ids
-concatenated feature after feature), so the gradient sums a row's repeated
-ids in the order separate tables looked up feature by feature would.
-Consecutive features of one ids shape are moved into stack rows together,
-as one `[features, *shape]` array.
+Consecutive features of one ids shape that read distinct tables form a
+run, read example by example (`[*shape, features]`, each example's rows
+side by side, as one table with ids offset by hand would give them); runs
+follow one another in the features' order. So each table's ids keep the
+order that separate tables looked up feature by feature would see, and the
+gradient sums a row's repeated ids in that order.
 """
 
 from __future__ import annotations
@@ -89,10 +90,11 @@ def feature_slots(spec: FeatureSpec, raw: Any, stack: Stack,
 
 
 def _runs(slots: Sequence[_Slots]) -> list[list[_Slots]]:
-  """Consecutive features of one ids shape, in their order."""
+  """Consecutive features of one ids shape and of distinct tables."""
   runs: list[list[_Slots]] = []
   for s in slots:
-    if runs and runs[-1][0].ids.shape == s.ids.shape:
+    if runs and runs[-1][0].ids.shape == s.ids.shape and all(
+        r.spec.table != s.spec.table for r in runs[-1]):
       runs[-1].append(s)
     else:
       runs.append([s])
@@ -100,9 +102,9 @@ def _runs(slots: Sequence[_Slots]) -> list[list[_Slots]]:
 
 
 def _stack_ids(run: Sequence[_Slots], id_dtype: Any) -> jax.Array:
-  """The run's ids as stack rows `[k, *shape]`; ids outside their table -1."""
-  ids = jnp.stack([s.ids.astype(id_dtype) for s in run])
-  shape = (len(run),) + (1,) * (ids.ndim - 1)
+  """The run's ids as stack rows `[*shape, k]`; ids outside their table -1."""
+  ids = jnp.stack([s.ids.astype(id_dtype) for s in run], axis=-1)
+  shape = (len(run),)
   rows = np.asarray([s.rows for s in run], id_dtype).reshape(shape)
   offsets = np.asarray([s.offset for s in run], id_dtype).reshape(shape)
   return jnp.where((ids >= 0) & (ids < rows), ids + offsets, -1)
@@ -137,14 +139,19 @@ def read_stack(table: Any, stack: Stack, slots: Sequence[_Slots],
                          for run in runs])
   rows = lookups._gather(table, ids, _stack_active(runs), dtype,  # pylint: disable=protected-access
                          CALLER, stack.name)
-  out, start = {}, 0
-  for run in runs:
-    size = len(run) * run[0].ids.size
-    part = rows[start:start + size].reshape(
-        (len(run),) + run[0].ids.shape + rows.shape[1:])
-    start += size
-    for j, s in enumerate(run):
-      out[s.spec.name] = _pool(s, part[j])
+  out = {}
+  parts = jax.lax.split(rows, [len(run) * run[0].ids.size for run in runs])
+  for run, part in zip(runs, parts):
+    # Example-major, each example's features side by side: feature j is
+    # columns [j * width, (j + 1) * width), split with `lax.split` (whose
+    # gradient is one concatenation), so that a model concatenating the
+    # features in order gets the gathered rows as they are, as from one
+    # table with ids offset by hand.
+    width = rows.shape[-1]
+    part = part.reshape(run[0].ids.shape + (len(run) * width,))
+    columns = jax.lax.split(part, [width] * len(run), axis=part.ndim - 1)
+    for s, column in zip(run, columns):
+      out[s.spec.name] = _pool(s, column)
   return out
 
 
