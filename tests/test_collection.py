@@ -334,3 +334,34 @@ def test_optimizer_needs_every_label():
   with pytest.raises(ValueError, match="lr_multiplier 2 with optimizer label "
                      "'default', which is a transformation: give a factory"):
     coll.optimizer({'default': lazy_optax.ftrl(0.1)})
+
+
+def test_guide_runs_as_written(capsys):
+  """docs/collections.md's code runs, and prints the plan it shows."""
+  import pathlib  # pylint: disable=g-import-not-at-top
+  import re  # pylint: disable=g-import-not-at-top
+  text = (pathlib.Path(__file__).resolve().parent.parent / 'docs' /
+          'collections.md').read_text()
+  blocks = re.findall(r'```(python|text)\n(.*?)```', text, re.S)
+  namespace: dict = {}
+  exec(compile(blocks[0][1], 'docs/collections.md', 'exec'), namespace)  # pylint: disable=exec-used
+  assert blocks[1][0] == 'text'
+  assert capsys.readouterr().out == blocks[1][1]
+  start = namespace['coll'].tables(namespace['coll'].init(jax.random.key(0)))
+  code = blocks[2][1]
+  exec(compile(code, 'docs/collections.md', 'exec'), namespace)  # pylint: disable=exec-used
+  now = namespace['coll'].tables(namespace['params']['emb'])
+  assert np.isfinite(float(namespace['loss']))
+  # Adam's first step moves a touched row by its learning rate: 1e-2 for
+  # user, 1e-2 * 0.5 for item (lr_multiplier 0.5, scaled in the stack).
+  np.testing.assert_allclose(np.abs(now['user'][3] - start['user'][3]), 1e-2,
+                             rtol=1e-3)
+  np.testing.assert_allclose(np.abs(now['item'][1] - start['item'][1]), 5e-3,
+                             rtol=1e-3)
+  np.testing.assert_array_equal(now['user'][4], start['user'][4])
+  np.testing.assert_array_equal(np.asarray(now['item'])[[0, 3]],
+                                np.asarray(start['item'])[[0, 3]])
+  with pytest.raises(ValueError) as info:
+    namespace['coll'].lookup(namespace['params']['emb'],
+                             {'user': jnp.array([3, 1000])})
+  assert str(info.value) == blocks[3][1].strip()
