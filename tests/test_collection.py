@@ -365,3 +365,31 @@ def test_guide_runs_as_written(capsys):
     namespace['coll'].lookup(namespace['params']['emb'],
                              {'user': jnp.array([3, 1000])})
   assert str(info.value) == blocks[3][1].strip()
+
+
+def test_one_run_of_features_with_and_without_padding():
+  """Single-id features of one shape and distinct tables are read side by
+  side; padding slots of one of them stay inactive, the others real."""
+  coll = EmbeddingCollection(TABLES, [FeatureSpec('x', 'a', padding_id=0),
+                                      FeatureSpec('y', 'b'),
+                                      FeatureSpec('z', 'c', padding_id=2)])
+  params = coll.init(jax.random.key(4))
+  tables = coll.tables(params)
+  ids = {'x': np.array([0, 1, 0, 3], np.int32),
+         'y': np.array([0, 0, 2, 3], np.int32),
+         'z': np.array([2, 5, 2, 1], np.int32)}
+
+  def separate(t):
+    return {'x': lazy_optax.lookup(t['a'], ids['x'], padding_id=0),
+            'y': lazy_optax.lookup(t['b'], ids['y']),
+            'z': lazy_optax.lookup(t['c'], ids['z'], padding_id=2)}
+
+  _, grads = lazy_optax.value_and_grad(
+      lambda p: _loss(coll.lookup(p, ids)))(params)
+  _, want = lazy_optax.value_and_grad(lambda t: _loss(separate(t)))(tables)
+  (stack,) = coll.plan
+  dense = np.asarray(grads[stack.name].to_dense())
+  for name, offset, rows in zip(stack.tables, stack.offsets, stack.table_rows):
+    np.testing.assert_array_equal(dense[offset:offset + rows],
+                                  want[name].to_dense(), err_msg=name)
+  assert np.all(dense[0] == 0) and np.all(dense[stack.offsets[1]] != 0)

@@ -38,10 +38,10 @@ from lazy_optax import TableSpec
 STEPS, BATCH = 3, 4
 MULTIPLIERS = {'a': 1.0, 'b': 2.0, 'c': 0.5}
 ROWS = {'a': 7, 'b': 6, 'c': 8}
-# fa and fc1 are read as one run (one ids shape, two tables); fa2 starts
-# another (table a again); then the bags.
+# fa and fc1 (with a padding id) are read as one run (one ids shape, two
+# tables); fa2 starts another (table a again); then the bags.
 FEATURES = (FeatureSpec('fa', 'a'),
-            FeatureSpec('fc1', 'c'),
+            FeatureSpec('fc1', 'c', padding_id=1),
             FeatureSpec('fa2', 'a'),
             FeatureSpec('fb', 'b', mode='sum', padding_id=0),
             FeatureSpec('fc', 'c', mode='mean'))
@@ -88,7 +88,7 @@ def _loss(rows, w):
 def _separate_rows(tables, ids, lengths):
   return {
       'fa': lazy_optax.lookup(tables['a'], ids['fa']),
-      'fc1': lazy_optax.lookup(tables['c'], ids['fc1']),
+      'fc1': lazy_optax.lookup(tables['c'], ids['fc1'], padding_id=1),
       'fa2': lazy_optax.lookup(tables['a'], ids['fa2']),
       'fb': lazy_optax.lookup_bag(tables['b'], ids['fb'], mode='sum',
                                   padding_id=0),
@@ -151,7 +151,7 @@ def _touched():
   for ids, lengths in _batches():
     seen['a'].update(ids['fa'].tolist() + ids['fa2'].tolist())
     seen['b'].update(i for i in ids['fb'].reshape(-1).tolist() if i != 0)
-    seen['c'].update(ids['fc1'].tolist())
+    seen['c'].update(i for i in ids['fc1'].tolist() if i != 1)
     for b, n in enumerate(lengths['fc']):
       seen['c'].update(ids['fc'][b, :n].tolist())
   return seen
