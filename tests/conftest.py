@@ -7,9 +7,7 @@ import tempfile
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-import slow_tests  # noqa: E402  (from this directory, put on the path above)
+import slow_tests  # (tests/, on the path by pyproject.toml's pythonpath)
 
 # Subprocesses (the 8-device checks, the guides' snippets) import the package
 # of this checkout, as this process does, not whichever copy is installed.
