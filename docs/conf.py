@@ -21,8 +21,7 @@ import sys
 
 DOCS = pathlib.Path(__file__).resolve().parent
 ROOT = DOCS.parent
-sys.path.insert(0, str(DOCS / '_ext'))
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(DOCS / '_ext'))  # the local extensions, as Sphinx documents
 os.environ.setdefault('JAX_PLATFORMS', 'cpu')
 
 import lazy_optax  # noqa: E402  pylint: disable=wrong-import-position

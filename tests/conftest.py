@@ -10,10 +10,12 @@ import pytest
 import slow_tests  # (tests/, on the path by pyproject.toml's pythonpath)
 
 # Subprocesses (the 8-device checks, the guides' snippets) import the package
-# of this checkout, as this process does, not whichever copy is installed.
+# of this checkout, as this process does, not whichever copy is installed,
+# and the helpers of tests/ by name.
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 os.environ['PYTHONPATH'] = os.pathsep.join(
-    p for p in (_ROOT, os.environ.get('PYTHONPATH')) if p)
+    p for p in (_ROOT, os.path.join(_ROOT, 'tests'),
+                os.environ.get('PYTHONPATH')) if p)
 
 
 # Programs compiled for checking, not for speed. The suite checks what the

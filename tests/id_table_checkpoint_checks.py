@@ -28,8 +28,6 @@ import itertools  # pylint: disable=g-import-not-at-top,wrong-import-position
 import json
 import sys
 
-# The package next to this file (not another installed copy).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp

@@ -25,9 +25,6 @@ if __name__ == '__main__':  # not when pytest imports this file for doctests
 import json  # pylint: disable=g-import-not-at-top,wrong-import-position
 import sys
 
-# The package next to this file (not another installed copy).
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType

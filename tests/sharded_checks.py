@@ -41,7 +41,6 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import optimizer_cases  # pylint: disable=g-import-not-at-top
 from reference import TFLazyAdam  # pylint: disable=g-import-not-at-top
 

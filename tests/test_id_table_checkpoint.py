@@ -10,14 +10,11 @@ the run short; each configuration is then its own test case.
 """
 
 import functools
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-import eight_devices  # pylint: disable=g-import-not-at-top,wrong-import-position # noqa: E402
-import id_table_checkpoint_checks  # pylint: disable=g-import-not-at-top,wrong-import-position # noqa: E402
+import eight_devices
+import id_table_checkpoint_checks
 
 NAMES = sorted(id_table_checkpoint_checks.configs())
 

@@ -7,9 +7,11 @@ absolute paths of one machine's layout (`/work/...`, `/root/...`,
 (`/tmp/NAME`, `'/tmp'`, `tempfile.gettempdir()`): a benchmark or test
 takes such a folder from `tempfile`, the user or an environment variable
 (`LAZY_OPTAX_TF_PYTHON`, `LAZY_OPTAX_FBGEMM_PYTHON`: `benchmarks/peers.py`).
-The package and the benchmarks import by package, never by editing
-`sys.path` (the test helpers under `tests/`, which `conftest.py` and their
-subprocesses put on the path, and Sphinx's `docs/conf.py` do).
+The package, the benchmarks and the tests import by package or by name,
+never by editing `sys.path` (pyproject.toml's `pythonpath` puts `tests/` on
+the path of the suite, `tests/conftest.py`'s `PYTHONPATH` on its
+subprocesses'); only Sphinx's `docs/conf.py` adds its own extensions'
+folder, as Sphinx documents.
 """
 
 import os
@@ -32,7 +34,7 @@ TEMP_NAME = re.compile(
 SYS_PATH_EDIT = re.compile(r'sys\.path\s*(?:\.\s*(?:insert|append|extend)'
                            r'\b|\+=|=[^=]|\[)')
 # Where editing sys.path is no import trick of the package's.
-SYS_PATH_SCOPE = ('lazy_optax/', 'benchmarks/')
+SYS_PATH_SCOPE = ('lazy_optax/', 'benchmarks/', 'tests/')
 
 
 def _tracked() -> list[str]:
@@ -95,7 +97,7 @@ def test_no_fixed_temp_name():
   assert _hits(TEMP_NAME) == []
 
 
-def test_no_sys_path_edits_in_the_package_or_the_benchmarks():
+def test_no_sys_path_edits_in_the_package_the_benchmarks_or_the_tests():
   assert _hits(SYS_PATH_EDIT,
                lambda rel: rel.endswith('.py')
                and rel.startswith(SYS_PATH_SCOPE)) == []

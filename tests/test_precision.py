@@ -130,12 +130,10 @@ def test_default_moment_dtype_follows_table():
 
 
 _X64_SCRIPT = textwrap.dedent('''
-    import sys
     import jax, jax.numpy as jnp, numpy as np
     assert jax.config.jax_enable_x64
     import lazy_optax
-    sys.path.insert(0, sys.argv[1])
-    from reference import TFLazyAdam
+    from reference import TFLazyAdam  # tests/ is on PYTHONPATH (conftest.py)
     rng = np.random.default_rng(0)
     table = rng.normal(size=(30, 4))
     tx = lazy_optax.lazy_adam(0.1)
@@ -172,7 +170,7 @@ def test_float64_under_x64():
   env = dict(os.environ, JAX_ENABLE_X64='1')
   env.pop('XLA_FLAGS', None)
   proc = subprocess.run(
-      [sys.executable, '-c', _X64_SCRIPT, os.path.dirname(__file__)],
+      [sys.executable, '-c', _X64_SCRIPT],
       env=env, capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0 and proc.stdout.strip() == 'ok', (
       proc.stdout[-2000:] + proc.stderr[-4000:])
