@@ -1,0 +1,147 @@
+"""An EmbeddingCollection equals separate tables under the wrappers and
+around the steps: `wrappers.multi_steps`, bfloat16 tables with nearest and
+stochastic rounding, orbax checkpoints (also into another plan), and an
+`IdTable` per hashed feature.
+
+The model: tables a (7 rows), b (6) and c (5), width 3, in one stack; a
+feature of single ids on a, one on b and a bag of sums on c (padding id 0);
+a loss through a fixed weight. The separate model looks each feature up on
+its own table with `lookup` / `lookup_bag` and trains the dict of tables
+with the same optimizer, built independently of the collection.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lazy_optax
+from lazy_optax import EmbeddingCollection
+from lazy_optax import FeatureSpec
+from lazy_optax import TableSpec
+
+ROWS = {'a': 7, 'b': 6, 'c': 5}
+BATCH, LR = 4, 0.05
+FEATURES = (FeatureSpec('fa', 'a'), FeatureSpec('fb', 'b'),
+            FeatureSpec('fc', 'c', mode='sum', padding_id=0))
+W = jnp.asarray([0.7, -1.3, 0.4], jnp.float32)
+
+
+def _collection(dtype='float32', **specs):
+  return EmbeddingCollection(
+      [TableSpec(n, ROWS[n], 3, dtype=dtype, **specs.get(n, {}))
+       for n in ROWS], FEATURES)
+
+
+def _batches(steps, seed=0):
+  """Rows 5 and 6 of a, 4 and 5 of b, 4 of c are never read."""
+  rng = np.random.default_rng(seed)
+  return [{'fa': rng.integers(0, 5, BATCH).astype(np.int32),
+           'fb': rng.integers(0, 4, BATCH).astype(np.int32),
+           'fc': rng.integers(0, 4, (BATCH, 2)).astype(np.int32)}
+          for _ in range(steps)]
+
+
+UNTOUCHED = {'a': [5, 6], 'b': [4, 5], 'c': [4]}
+
+
+def _tables(dtype=jnp.float32):
+  rng = np.random.default_rng(1)
+  return {n: jnp.asarray(rng.normal(size=(r, 3)), dtype)
+          for n, r in ROWS.items()}
+
+
+def _loss(rows):
+  out = 0.0
+  for k, r in enumerate(rows.values()):
+    out = out + jnp.sum(jnp.tanh(r.astype(jnp.float32) * W) * (k + 1.0))
+  return out
+
+
+def _separate_rows(tables, ids):
+  return {'fa': lazy_optax.lookup(tables['a'], ids['fa']),
+          'fb': lazy_optax.lookup(tables['b'], ids['fb']),
+          'fc': lazy_optax.lookup_bag(tables['c'], ids['fc'], mode='sum',
+                                      padding_id=0)}
+
+
+def _train(models, batches, apply=None):
+  """Trains each `(tx, params, rows_of)` model on `batches` in one jitted
+  step for all; returns `[(params, state, losses)]`."""
+  txs = [tx for tx, _, _ in models]
+  readers = [rows_of for _, _, rows_of in models]
+  apply = apply or (lambda p, u, t: lazy_optax.apply_updates(p, u))
+
+  @jax.jit
+  def step(params, states, ids, t):
+    out = []
+    for tx, rows_of, p, state in zip(txs, readers, params, states):
+      value, grads = lazy_optax.value_and_grad(
+          lambda p, rows_of=rows_of: _loss(rows_of(p, ids)))(p)
+      updates, state = tx.update(grads, state, p)
+      out.append((apply(p, updates, t), state, value))
+    return tuple(zip(*out))
+
+  params = [p for _, p, _ in models]
+  states = [tx.init(p) for tx, p, _ in models]
+  losses = []
+  for t, ids in enumerate(batches):
+    params, states, values = step(params, states, ids, t)
+    losses.append(values)
+  return [(p, s, [v[i] for v in losses])
+          for i, (p, s) in enumerate(zip(params, states))]
+
+
+def _equal_trees(a, b):
+  la, ta = jax.tree.flatten(a)
+  lb, tb = jax.tree.flatten(b)
+  assert ta == tb
+  for x, y in zip(la, lb):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def _moments(state):
+  """The `[rows, 3]` leaves of a state, by table: a table's state rows."""
+  out = {}
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    name = lazy_optax.tree.path_name(path)
+    if jnp.ndim(leaf) == 2:
+      out[name] = np.asarray(leaf)
+  return out
+
+
+# -- 1. wrappers.multi_steps ------------------------------------------------
+def test_multi_steps_equals_separate_tables():
+  """multi_steps(every_k=2) over the collection's optimizer (one row buffer
+  for the stack: 4 + 4 + 8 ids a step) equals it over separate tables (a
+  buffer per table), bit for bit: the tables, every moment row, the losses;
+  untouched rows keep their values and zero moments."""
+  coll = _collection()
+  (stack,) = coll.plan
+  k = 2
+  coll_tx = lazy_optax.wrappers.multi_steps(
+      coll.optimizer({'default': lazy_optax.lazy_adam(LR)}), every_k=k,
+      ids_per_step={stack.name: 4 + 4 + 8})
+  sep_tx = lazy_optax.wrappers.multi_steps(
+      lazy_optax.lazy_adam(LR), every_k=k,
+      ids_per_step={'a': 4, 'b': 4, 'c': 8})
+  (cp, cs, closs), (sp, ss, sloss) = _train(
+      [(coll_tx, coll.params_from_tables(_tables()), coll.lookup),
+       (sep_tx, _tables(), _separate_rows)], _batches(2 * k))
+  _equal_trees(coll.tables(cp), sp)
+  np.testing.assert_array_equal(np.asarray(closs), np.asarray(sloss))
+  assert int(cs.gradient_step) == int(ss.gradient_step) == 2
+  # The stack's moment rows, sliced per table, are the separate tables'.
+  coll_m = _moments(cs.inner_state)
+  sep_m = _moments(ss.inner_state)
+  assert len(coll_m) == 2 and len(sep_m) == 6  # mu, nu
+  for kind in ('mu', 'nu'):
+    (stacked,) = [v for n, v in coll_m.items() if kind in n]
+    for name, offset, rows in zip(stack.tables, stack.offsets,
+                                  stack.table_rows):
+      (mine,) = [v for n, v in sep_m.items() if kind in n and
+                 n.endswith(name)]
+      np.testing.assert_array_equal(stacked[offset:offset + rows], mine)
+      assert not mine[UNTOUCHED[name]].any()
+  for name, rows in UNTOUCHED.items():
+    np.testing.assert_array_equal(np.asarray(sp[name])[rows],
+                                  np.asarray(_tables()[name])[rows])
