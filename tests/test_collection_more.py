@@ -109,6 +109,22 @@ def _moments(state):
   return out
 
 
+def _equal_moments(stack, coll_state, sep_state):
+  """The stack's `mu` and `nu` rows, sliced per table, equal the separate
+  tables' bit for bit; untouched rows' moments are zero."""
+  coll_m = _moments(coll_state)
+  sep_m = _moments(sep_state)
+  assert len(coll_m) == 2 and len(sep_m) == 6, (coll_m.keys(), sep_m.keys())
+  for kind in ('mu', 'nu'):
+    (stacked,) = [v for n, v in coll_m.items() if kind in n]
+    for name, offset, rows in zip(stack.tables, stack.offsets,
+                                  stack.table_rows):
+      (mine,) = [v for n, v in sep_m.items() if kind in n and
+                 n.endswith(name)]
+      np.testing.assert_array_equal(stacked[offset:offset + rows], mine)
+      assert not mine[UNTOUCHED[name]].any()
+
+
 # -- 1. wrappers.multi_steps ------------------------------------------------
 def test_multi_steps_equals_separate_tables():
   """multi_steps(every_k=2) over the collection's optimizer (one row buffer
@@ -130,18 +146,117 @@ def test_multi_steps_equals_separate_tables():
   _equal_trees(coll.tables(cp), sp)
   np.testing.assert_array_equal(np.asarray(closs), np.asarray(sloss))
   assert int(cs.gradient_step) == int(ss.gradient_step) == 2
-  # The stack's moment rows, sliced per table, are the separate tables'.
-  coll_m = _moments(cs.inner_state)
-  sep_m = _moments(ss.inner_state)
-  assert len(coll_m) == 2 and len(sep_m) == 6  # mu, nu
-  for kind in ('mu', 'nu'):
-    (stacked,) = [v for n, v in coll_m.items() if kind in n]
-    for name, offset, rows in zip(stack.tables, stack.offsets,
-                                  stack.table_rows):
-      (mine,) = [v for n, v in sep_m.items() if kind in n and
-                 n.endswith(name)]
-      np.testing.assert_array_equal(stacked[offset:offset + rows], mine)
-      assert not mine[UNTOUCHED[name]].any()
+  _equal_moments(stack, cs.inner_state, ss.inner_state)
   for name, rows in UNTOUCHED.items():
     np.testing.assert_array_equal(np.asarray(sp[name])[rows],
                                   np.asarray(_tables()[name])[rows])
+
+
+# -- 2. bfloat16 tables, nearest and stochastic rounding ---------------------
+BF16 = jnp.bfloat16
+KEY = jax.random.key(7)
+
+
+def _bf16_models():
+  coll = _collection('bfloat16')
+  tx = lazy_optax.lazy_adam(LR)
+  return coll, [(coll.optimizer({'default': tx}),
+                 coll.params_from_tables(_tables(BF16)), coll.lookup),
+                (tx, _tables(BF16), _separate_rows)]
+
+
+def _untouched_kept(tables):
+  for name, rows in UNTOUCHED.items():
+    np.testing.assert_array_equal(np.asarray(tables[name])[rows],
+                                  np.asarray(_tables(BF16)[name])[rows])
+
+
+def test_bf16_nearest_rounding_equals_separate_tables():
+  """bfloat16 tables rounded to nearest: bit for bit, 3 steps (tables,
+  moments, losses; untouched rows)."""
+  coll, models = _bf16_models()
+  (stack,) = coll.plan
+  assert stack.dtype == BF16
+  (cp, cs, closs), (sp, ss, sloss) = _train(models, _batches(3))
+  assert sp['a'].dtype == BF16
+  _equal_trees(coll.tables(cp), sp)
+  np.testing.assert_array_equal(np.asarray(closs), np.asarray(sloss))
+  _equal_moments(stack, cs, ss)
+  _untouched_kept(sp)
+
+
+def _stochastic(p, u, t):
+  return lazy_optax.precision.apply_updates_stochastic(p, u, key=KEY, step=t)
+
+
+def test_bf16_stochastic_rounding_against_separate_tables():
+  """Stochastic rounding draws row `r`'s bits from the key, the step, the
+  parameter's path and `r`: a stack's table rows are other rows of another
+  path than the separate tables', so the two runs draw other bits and
+  cannot match bit for bit. What does: from the same params, one step's
+  float32 targets `p + u` are equal bit for bit (the updates are, as the
+  nearest run shows); every rounded value of both runs is one of the two
+  bfloat16 neighbours of its target, rounded up about as often as the
+  targets' fractions say (5 standard deviations); untouched rows stay bit
+  for bit over 3 steps, and the losses agree to bfloat16's noise."""
+  coll, models = _bf16_models()
+  (stack,) = coll.plan
+  ids = _batches(1)[0]
+
+  @jax.jit
+  def one_step(params):
+    out = []
+    for tx, p, rows_of in models:
+      _, grads = lazy_optax.value_and_grad(lambda p, rows_of=rows_of: _loss(
+          rows_of(p, ids)))(p)
+      updates, _ = tx.update(grads, tx.init(p), p)
+      wide = jax.tree.map(lambda x: x.astype(jnp.float32), p)
+      out.append((lazy_optax.apply_updates(wide, updates),
+                  _stochastic(p, updates, 0)))
+    return out
+
+  (c_wide, c_new), (s_wide, s_new) = one_step([m[1] for m in models])
+  c_wide = dict(zip(stack.tables, _slices(stack, c_wide)))
+  _equal_trees(c_wide, s_wide)
+  ups, fracs = [], []
+  for new in (coll.tables(c_new), s_new):
+    away = 0  # entries not rounded to nearest: none if rounding were nearest
+    for name in ROWS:
+      target = np.asarray(s_wide[name])
+      down, up = _neighbours(target)
+      got = np.asarray(new[name], np.float64)
+      assert np.all((got == down) | (got == up)), name
+      between = up > down
+      away += np.sum(got != np.asarray(target.astype(np.dtype(BF16)),
+                                       np.float64))
+      ups.append((got == up)[between])
+      fracs.append(((target - down) / np.where(between, up - down, 1))[
+          between])
+    assert away > 0
+  ups, fracs = np.concatenate(ups), np.concatenate(fracs)
+  assert ups.size > 30  # both runs: every touched entry between neighbours
+  sd = np.sqrt(np.sum(fracs * (1 - fracs)))
+  assert abs(ups.sum() - fracs.sum()) < 5 * sd + 1, (ups.sum(), fracs.sum())
+  # 3 steps: untouched rows bit for bit, losses close.
+  (cp, _, closs), (sp, _, sloss) = _train(models, _batches(3), _stochastic)
+  _untouched_kept(coll.tables(cp))
+  _untouched_kept(sp)
+  np.testing.assert_allclose(np.asarray(closs), np.asarray(sloss), rtol=2e-2)
+
+
+def _slices(stack, params):
+  (array,) = params.values()
+  return [array[o:o + r] for o, r in zip(stack.offsets, stack.table_rows)]
+
+
+def _neighbours(target):
+  """The bfloat16 values at or below and at or above float32 `target`, in
+  float64 (numpy's bfloat16: no device op)."""
+  bf16 = np.dtype(BF16)
+  near = target.astype(bf16)
+  below = np.nextafter(near, np.full_like(near, -np.inf))
+  above = np.nextafter(near, np.full_like(near, np.inf))
+  wide = near.astype(np.float64)
+  down = np.where(wide > target, below.astype(np.float64), wide)
+  up = np.where(wide < target, above.astype(np.float64), wide)
+  return down, up
