@@ -260,3 +260,16 @@ def _neighbours(target):
   down = np.where(wide > target, below.astype(np.float64), wide)
   up = np.where(wide < target, above.astype(np.float64), wide)
   return down, up
+
+
+# -- 3. row-sharded over 8 devices ------------------------------------------
+def test_row_sharded_stack_equals_one_device():
+  """tests/collection_sharded_checks.py in the 8-device process: a stack
+  row-sharded over 8 devices, 3 steps of lazy_adam and rowwise_adagrad
+  against one device: within 2e-6, untouched rows and state bit for bit."""
+  import eight_devices  # pylint: disable=g-import-not-at-top
+  out = eight_devices.call('collection_sharded_checks', 'run')
+  assert set(out) == {'lazy_adam', 'rowwise_adagrad'}
+  for result in out.values():
+    assert result['rows_moved'] >= 20
+    assert result['state_shardings'][0] == "P('rows',)"
