@@ -13,6 +13,7 @@ with the same optimizer, built independently of the collection.
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import lazy_optax
 from lazy_optax import EmbeddingCollection
@@ -339,3 +340,103 @@ def test_orbax_resume_and_regroup(tmp_path):
   _equal_trees(moved.tables(mp), coll.tables(params))
   _equal_trees(moved.state_tables(ms, transforms),
                coll.state_tables(state, transforms))
+
+
+# -- 5. an IdTable per hashed feature ---------------------------------------
+def _hashed_collection():
+  """a and c hashed (padding id: the capacity, IdTable's "no row"), b not."""
+  return EmbeddingCollection(
+      [TableSpec(n, ROWS[n], 3) for n in ROWS],
+      [FeatureSpec('fa', 'a', padding_id=ROWS['a']), FeatureSpec('fb', 'b'),
+       FeatureSpec('fc', 'c', padding_id=ROWS['c'])])
+
+
+RAW_A = ([10, 11, 12, 10], [11, 13, 14, 10], [20, 21, 22, 23])
+RAW_C = ([100, 101, 102, 100], [101, 102, 100, 100], [100, 101, 102, 101])
+
+
+def test_id_table_per_hashed_feature():
+  """One IdTable per hashed table; its slots, fed as the feature's ids, land
+  in the table's rows of the stack. At step 2 ids 20 to 23 take four slots
+  of a (two free, two evicted from trained ids; c sees no new id):
+  `fresh_rows` + `reset_rows` reset those rows of a and their moments, and no other row of the stack (b, c, a's
+  other rows: values and moments bit for bit); with `init=None` the reset
+  stack is bit for bit the separate tables reset with their own FreshRows.
+  `export_changes` per table: its slots index `coll.tables(params)[name]`."""
+  coll = _hashed_collection()
+  (stack,) = coll.plan
+  id_tables = {n: lazy_optax.IdTable(capacity=ROWS[n], probe=ROWS[n],
+                                     admission='always') for n in 'ac'}
+  tx = coll.optimizer({'default': lazy_optax.lazy_adam(LR)})
+  init = jax.nn.initializers.normal(0.5)
+  key = jax.random.key(3)
+
+  @jax.jit
+  def step(params, state, id_states, words, fb, t):
+    slots, fresh = {}, {}
+    for n in 'ac':
+      slots[n], id_states[n], fresh[n] = id_tables[n].assign(
+          id_states[n], words[n], step=t)
+    moved = coll.fresh_rows(fresh)
+    params, state = lazy_optax.reset_rows(tx, params, state, moved,
+                                          init=init, key=key)
+    reset = (params, state, moved, fresh)
+    ids = {'fa': slots['a'], 'fb': fb, 'fc': slots['c']}
+    _, grads = lazy_optax.value_and_grad(
+        lambda p: _loss(coll.lookup(p, ids)))(params)
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state, id_states, reset
+
+  params = coll.init(jax.random.key(0))
+  state = tx.init(params)
+  id_states = {n: t.init() for n, t in id_tables.items()}
+  fbs = _batches(3)
+  for t in range(3):
+    words = {'a': lazy_optax.split_ids(np.asarray(RAW_A[t], np.int64)),
+             'c': lazy_optax.split_ids(np.asarray(RAW_C[t], np.int64))}
+    before = (params, state)
+    params, state, id_states, reset = step(params, state, id_states, words,
+                                           fbs[t]['fb'], jnp.int32(t))
+  rp, rs, moved, fresh = reset   # step 2's reset, before its update
+  a_off, _ = stack.span('a')
+  new_a = sorted(int(s) for s in np.asarray(fresh['a'].slots) if s < 7)
+  assert len(new_a) == 4 and not (np.asarray(fresh['c'].slots) < 5).any()
+  changed = np.zeros(stack.rows, bool)
+  changed[[a_off + s for s in new_a]] = True
+  np.testing.assert_array_equal(
+      np.sort(np.asarray(moved[stack.name].slots)[
+          np.asarray(moved[stack.name].slots) < stack.rows]),
+      np.flatnonzero(changed))
+  old_p, old_s = before[0][stack.name], before[1]
+  new_p = np.asarray(rp[stack.name])
+  np.testing.assert_array_equal(new_p[~changed], np.asarray(old_p)[~changed])
+  assert (new_p[changed] != np.asarray(old_p)[changed]).all()
+  for (_, old), (_, new) in zip(_moments(old_s).items(),
+                                _moments(rs).items()):
+    np.testing.assert_array_equal(new[~changed], old[~changed])
+    assert not new[changed].any() and old[changed].any(axis=1).sum() == 2
+  # init=None: the stack reset equals each table reset on its own.
+  zp, zs = lazy_optax.reset_rows(tx, *before, moved, init=None)
+  sep_tx = lazy_optax.lazy_adam(LR)
+  tables = coll.tables(before[0])
+  sep_state = coll.state_tables(before[1], {'default': sep_tx})
+  sep_p, sep_s = lazy_optax.reset_rows(
+      coll.table_optimizer({'default': sep_tx}), tables, sep_state,
+      {n: fresh[n] for n in 'ac'}, init=None)
+  _equal_trees(coll.tables(zp), sep_p)
+  _equal_trees(coll.state_tables(zs, {'default': sep_tx}), sep_s)
+  # export_changes per table: ids and slots in the table's own rows.
+  ids_a, slots_a, evicted = id_tables['a'].export_changes(id_states['a'], 2)
+  assert sorted(ids_a.tolist()) == [20, 21, 22, 23] and evicted.size == 2
+  assert sorted(slots_a.tolist()) == new_a
+  served = np.asarray(coll.tables(params)['a'])[slots_a]
+  np.testing.assert_array_equal(
+      served, np.asarray(params[stack.name])[a_off + slots_a])
+
+
+def test_fresh_rows_refuses_an_id_table_of_another_capacity():
+  coll = _hashed_collection()
+  wrong = lazy_optax.IdTable(capacity=6, probe=6, admission='always')
+  _, _, fresh = wrong.assign(wrong.init(), np.array([5]), step=0)
+  with pytest.raises(ValueError, match=r"table 'a' has 7 rows.*capacity 6"):
+    coll.fresh_rows({'a': fresh})
