@@ -294,7 +294,7 @@ class EmbeddingCollection:
 
   def fresh_rows(self, fresh_by_table: Mapping[str, Any], *,
                  prefix: str = '') -> dict[str, Any]:
-    """The `FreshRows` of per-table `IdTable`s, as rows of their stacks.
+    """The `FreshRows` of per-table `IdTable` objects, as rows of stacks.
 
     With one `lazy_optax.IdTable` per hashed table (its capacity the
     table's rows, its slots fed as the feature's ids), `assign` gives
