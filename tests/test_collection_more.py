@@ -238,12 +238,8 @@ def test_bf16_stochastic_rounding_against_separate_tables():
   assert ups.size > 30  # both runs: every touched entry between neighbours
   sd = np.sqrt(np.sum(fracs * (1 - fracs)))
   assert abs(ups.sum() - fracs.sum()) < 5 * sd + 1, (ups.sum(), fracs.sum())
-  # 3 steps: untouched rows bit for bit, losses close.
-  (cp, _, closs), (sp, _, sloss) = _train(models, _batches(3), _stochastic)
-  _untouched_kept(coll.tables(cp))
-  _untouched_kept(sp)
-  np.testing.assert_allclose(np.asarray(closs), np.asarray(sloss), rtol=2e-2)
-
+  _untouched_kept(coll.tables(c_new))
+  _untouched_kept(s_new)
 
 def _slices(stack, params):
   (array,) = params.values()
