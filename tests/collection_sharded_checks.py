@@ -14,10 +14,10 @@ single ids, a second feature on one table and a bag of sums with padding;
 per-row state sharded by rows over a mesh of 8 devices ('rows'), the ids
 replicated. Each step equals the same step on one device, shardings kept
 from step to step: tables and state within 2e-6 relative
-(tests/sharded_checks.py's bound for one table: the partitioned program
-sums a touched row's duplicate gradients and `rowwise_adagrad`'s row mean
-of squares in another order, a lone table on this mesh differs by the same
-ulps), untouched rows and their state bit for bit.
+(tests/sharded_checks.py's bound for one table; `rowwise_adagrad` differs
+by ulps for a lone table too, and `lazy_adam` by an ulp at a few touched rows
+here, see docs/collections.md), untouched rows and their state bit for
+bit.
 """
 
 import os
