@@ -430,9 +430,15 @@ def test_id_table_per_hashed_feature():
       served, np.asarray(params[stack.name])[a_off + slots_a])
 
 
-def test_fresh_rows_refuses_an_id_table_of_another_capacity():
+def test_fresh_rows_refuses_another_capacity_and_names_the_path():
   coll = _hashed_collection()
   wrong = lazy_optax.IdTable(capacity=6, probe=6, admission='always')
   _, _, fresh = wrong.assign(wrong.init(), np.array([5]), step=0)
   with pytest.raises(ValueError, match=r"table 'a' has 7 rows.*capacity 6"):
     coll.fresh_rows({'a': fresh})
+  # The params' path in a model names the stack's path.
+  right = lazy_optax.IdTable(capacity=7, probe=7, admission='always')
+  _, _, fresh = right.assign(right.init(), np.array([5, 6]), step=0)
+  out = coll.fresh_rows({'a': fresh}, prefix='emb')
+  assert list(out) == ['emb/' + coll.plan[0].name]
+  assert out['emb/' + coll.plan[0].name].capacity == coll.plan[0].rows
