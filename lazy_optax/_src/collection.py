@@ -292,6 +292,47 @@ class EmbeddingCollection:
         out.append((stack, slots))
     return out
 
+  def fresh_rows(self, fresh_by_table: Mapping[str, Any], *,
+                 prefix: str = '') -> dict[str, Any]:
+    """The `FreshRows` of per-table `IdTable` objects, as rows of stacks.
+
+    With one `lazy_optax.IdTable` per hashed table (its capacity the
+    table's rows, its slots fed as the feature's ids), `assign` gives
+    `FreshRows` in the table's own rows; this moves each to its stack's
+    rows (slot + the table's offset; the filler, `capacity`, to the stack's
+    "no row" id) and joins those of one stack, for `lazy_optax.reset_rows`,
+    which then resets those rows of the stack and of its state and no row
+    of another table. `IdTable.export_changes` needs nothing: its slots
+    index `tables(params)[name]`.
+
+    Args:
+      fresh_by_table: `{table name: FreshRows}` from each table's
+        `IdTable.assign`.
+      prefix: the path of the collection's params in the model (`'emb'`
+        for `{'emb': params}`), '' for the params themselves.
+
+    Returns:
+      `{stack path: FreshRows}` for `reset_rows`.
+
+    Raises:
+      ValueError: a `FreshRows` from an `IdTable` whose capacity is not its
+        table's row count.
+
+    Example:
+      >>> import numpy as np
+      >>> import lazy_optax
+      >>> coll = lazy_optax.EmbeddingCollection(
+      ...     [lazy_optax.TableSpec('a', 4, 2),
+      ...      lazy_optax.TableSpec('b', 3, 2)])
+      >>> ids_b = lazy_optax.IdTable(capacity=3, probe=3)
+      >>> slots, state, fresh = ids_b.assign(ids_b.init(), np.array([99]),
+      ...                                    step=0)
+      >>> out = coll.fresh_rows({'b': fresh})
+      >>> [(name, r.slots.tolist(), r.capacity) for name, r in out.items()]
+      [('default_float32_2', [4], 7)]
+    """
+    return _optim.fresh_rows(self, fresh_by_table, prefix)
+
   # -- optimizers ----------------------------------------------------------
   def optimizer(self, transforms: Mapping[str, Transform]
                 ) -> optax.GradientTransformation:

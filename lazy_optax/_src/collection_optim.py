@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 from lazy_optax._src.collection_plan import Stack
+from lazy_optax._src.id_table import FreshRows
 from lazy_optax._src.labels import path_labels
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
@@ -270,3 +271,30 @@ def state_from_tables(collection: Any, state: Any,
     out[stack.name] = jax.tree.unflatten(treedef, new)
   return template._replace(inner_states=out)
 
+
+
+def fresh_rows(coll: Any, fresh_by_table: Mapping[str, Any],
+               prefix: str) -> dict[str, Any]:
+  """`EmbeddingCollection.fresh_rows`: table slots moved to stack rows."""
+  by_stack: dict[str, list[tuple[jax.Array, jax.Array]]] = {}
+  for name, fresh in fresh_by_table.items():
+    stack = coll.stack_of(name)
+    offset, rows = stack.span(name)
+    if fresh.capacity is not None and fresh.capacity != rows:
+      raise ValueError(
+          f'EmbeddingCollection.fresh_rows: table {name!r} has {rows} rows, '
+          f'but its FreshRows come from an IdTable of capacity '
+          f'{fresh.capacity}.')
+    slots = jnp.asarray(fresh.slots)
+    moved = jnp.where((slots >= 0) & (slots < rows), slots + offset,
+                      stack.rows).astype(slots.dtype)
+    by_stack.setdefault(stack.name, []).append((moved, fresh.ids))
+  out = {}
+  for stack in coll.plan:
+    if stack.name in by_stack:
+      parts = by_stack[stack.name]
+      path = f'{prefix}/{stack.name}' if prefix else stack.name
+      out[path] = FreshRows(jnp.concatenate([s for s, _ in parts]),
+                            jnp.concatenate([i for _, i in parts]),
+                            stack.rows)
+  return out
