@@ -23,6 +23,10 @@ SLOW_FILES = (
     'lazy_optax/haiku.py',
     'tests/test_bags.py',
     'tests/test_colabs.py',
+    'tests/test_collection_export.py',
+    'tests/test_collection_layers.py',
+    'tests/test_collection_more.py',
+    'tests/test_collection_training.py',
     'tests/test_conformance.py',
     'tests/test_demo.py',
     'tests/test_equinox.py',
@@ -39,8 +43,10 @@ SLOW_FILES = (
     'tests/test_id_table_training.py',
     'tests/test_kernel_cache.py',
     'tests/test_kernel_shards.py',
+    'tests/test_migrating_to_collections.py',
     'tests/test_migration_guide.py',
     'tests/test_properties.py',
+    'tests/test_step_recovery.py',
     'tests/test_torch_parity.py',
 )
 SLOW_TESTS = {
