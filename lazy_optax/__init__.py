@@ -39,7 +39,7 @@ from lazy_optax._src.collection_plan import FeatureSpec
 from lazy_optax._src.collection_plan import TableSpec
 from lazy_optax._src.cowclip import cowclip
 from lazy_optax._src.cowclip import id_counts
-from lazy_optax._src.cowclip import lazy_adam_cowclip
+from lazy_optax._src.cowclip_adam import lazy_adam_cowclip
 from lazy_optax._src.ftrl import ftrl
 from lazy_optax._src.ftrl import ScaleByFtrlState
 from lazy_optax._src.grads import value_and_grad

@@ -61,6 +61,8 @@ SLOW_TESTS = {
     ),
     'lazy_optax/_src/cowclip.py': (
         'cowclip',
+    ),
+    'lazy_optax/_src/cowclip_adam.py': (
         'lazy_adam_cowclip',
     ),
     'lazy_optax/_src/grads.py': (

@@ -37,11 +37,10 @@ import optax
 from lazy_optax._src import fused
 from lazy_optax._src import row_context
 from lazy_optax._src import validate
-from lazy_optax._src.adam import epsilon_hat_adam
 from lazy_optax._src.distinct import distinct_rows
-from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
+from lazy_optax._src.numerics import row_norms
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
 
@@ -50,13 +49,6 @@ class CowClipKernelHyper(NamedTuple):
   """The CowClip kernel's hyperparameters: rows.cc's `COWCLIP_FIELDS`."""
   coef: Any
   lower_bound: Any
-
-
-def row_norms(x: jax.Array) -> jax.Array:
-  """The L2 norm of each row of `x` (`[N, ...]` -> `[N]`; `[N]`: `|x|`)."""
-  if x.ndim <= 1:
-    return jnp.abs(x)
-  return jnp.sqrt(jnp.sum(x * x, axis=tuple(range(1, x.ndim))))
 
 
 def _rule() -> fused.RowRule:
@@ -295,55 +287,3 @@ def cowclip(
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
-
-def lazy_adam_cowclip(
-    learning_rate: optax.ScalarOrSchedule,
-    coef: float = 1.0,
-    lower_bound: float = 1e-5,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    *,
-    mu_dtype: Optional[Any] = None,
-    nu_dtype: Optional[Any] = None,
-    impl: str = 'auto',
-) -> optax.GradientTransformationExtraArgs:
-  """`lazy_adam` on CowClip-clipped gradients (the paper's optimizer).
-
-  `lazy(optax.chain(cowclip(coef, lower_bound), epsilon-hat Adam,
-  optax.scale_by_learning_rate(learning_rate)))`: its `update` takes
-  `params` and `counts=` (see `cowclip`). Its state is `lazy_adam`'s with an
-  `EmptyState` first.
-
-  Args:
-    learning_rate: a float or an optax schedule of the step count.
-    coef: CowClip's ratio `r`.
-    lower_bound: CowClip's `zeta`.
-    b1: decay rate of the first moment.
-    b2: decay rate of the second moment.
-    eps: "epsilon hat", added to `sqrt(v)`.
-    mu_dtype: dtype of `mu` (default: the parameter's).
-    nu_dtype: dtype of `nu` (default: the parameter's).
-    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'`, for both rules.
-
-  Returns:
-    An `optax.GradientTransformationExtraArgs`.
-
-  Example:
-    >>> import jax.numpy as jnp, lazy_optax
-    >>> params = {'table': jnp.ones((100, 4))}
-    >>> tx = lazy_optax.lazy_adam_cowclip(1e-3)
-    >>> ids = jnp.array([3, 7, 3])
-    >>> grads = {'table': lazy_optax.SparseRows(ids, jnp.ones((3, 4)), 100)}
-    >>> counts = {'table': lazy_optax.id_counts(ids, 100)}
-    >>> u, state = tx.update(grads, tx.init(params), params, counts=counts)
-    >>> float(u['table'].to_dense()[3, 0])
-    -0.001...
-  """
-  validate.hyperparameters('lazy_adam_cowclip', beta=dict(b1=b1, b2=b2),
-                           non_negative=dict(eps=eps))
-  return lazy(optax.chain(
-      cowclip(coef, lower_bound, impl=impl),
-      epsilon_hat_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype,
-                       nu_dtype=nu_dtype, impl=impl),
-      optax.scale_by_learning_rate(learning_rate)))

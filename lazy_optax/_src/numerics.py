@@ -51,6 +51,13 @@ def power(decay: Any, count: jax.Array, dtype: Any) -> jax.Array:
                  * jnp.log1p(-one_minus_decay))
 
 
+def row_norms(x: jax.Array) -> jax.Array:
+  """The L2 norm of each row of `x` (`[N, ...]` -> `[N]`; `[N]`: `|x|`)."""
+  if x.ndim <= 1:
+    return jnp.abs(x)
+  return jnp.sqrt(jnp.sum(x * x, axis=tuple(range(1, x.ndim))))
+
+
 def row_mean_square(g: jax.Array) -> jax.Array:
   """Mean of `g * g` over each row: `[num_rows, ...]` -> `[num_rows]`.
 

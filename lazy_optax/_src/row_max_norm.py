@@ -29,9 +29,9 @@ from lazy_optax._src import cpu_kernels
 from lazy_optax._src import fused
 from lazy_optax._src import row_context
 from lazy_optax._src import validate
-from lazy_optax._src.cowclip import row_norms
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
+from lazy_optax._src.numerics import row_norms
 
 
 class RowMaxNormKernelHyper(NamedTuple):
