@@ -2,8 +2,8 @@
 
 Every tracked file (`git ls-files`; a walk of the tree where git is
 absent), history files and committed results included, is scanned for
-absolute paths of one machine's layout (`/work/...`, `/root/...`,
-`/home/...`, `/Users/...`) and for fixed names in the temp folder
+absolute paths of one machine's layout (a folder under the root named
+`work`, `root`, `home` or `Users`) and for fixed names in the temp folder
 (`/tmp/NAME`, `'/tmp'`, `tempfile.gettempdir()`): a benchmark or test
 takes such a folder from `tempfile`, the user or an environment variable
 (`LAZY_OPTAX_TF_PYTHON`, `LAZY_OPTAX_FBGEMM_PYTHON`: `benchmarks/peers.py`).
