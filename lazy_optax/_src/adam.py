@@ -39,12 +39,20 @@ class ScaleByLazyAdamState(NamedTuple):
   nu: optax.Updates
 
 
+fused.declare(ScaleByLazyAdamState, fused.RuleFacts(
+    'adam', ('mu', 'nu'), 'LazyOptaxAdam'))
+
+
 class ScaleByLazyAMSGradState(NamedTuple):
   """State of `scale_by_lazy_adam(amsgrad=True)`: also the running max of nu."""
   count: chex.Array
   mu: optax.Updates
   nu: optax.Updates
   nu_max: optax.Updates
+
+
+fused.declare(ScaleByLazyAMSGradState, fused.RuleFacts(
+    'amsgrad', ('mu', 'nu', 'nu_max'), 'LazyOptaxAmsgrad'))
 
 
 class AdamKernelHyper(NamedTuple):

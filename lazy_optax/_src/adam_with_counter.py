@@ -67,6 +67,10 @@ class ScaleByAdamWithCounterState(NamedTuple):
   last_step: optax.Updates  # int32 [num_rows] per parameter
 
 
+fused.declare(ScaleByAdamWithCounterState, fused.RuleFacts(
+    'adam_with_counter', ('mu', 'nu', 'row_count', 'last_step')))
+
+
 def _no_decay(weight_decay: Any) -> bool:
   """Whether weight decay is off: a Python 0 (an array, such as one that
   `optax.inject_hyperparams` passes, may change, so it counts as on)."""

@@ -142,30 +142,27 @@ class _Counts(NamedTuple):
   differ: Optional[jax.Array]
 
 
-def _row_counts(counts: SparseRows, g: Any, p: Any, where: str,
-                context: Optional[row_context.RowContext]) -> _Counts:
+def _row_counts(counts: SparseRows, g: Any, where: str,
+                table: Optional[row_context.TableIds]) -> _Counts:
   """`counts` as one number per row of `g` (lazy's row block or dense)."""
-  found = context.find(p) if context is not None else None
-  block = found[1] if found is not None else None
-  num_rows = block.table.shape[0] if block is not None else jnp.shape(g)[0]
+  num_rows = table.num_rows if table is not None else jnp.shape(g)[0]
   if counts.num_rows != num_rows:
     raise ValueError(f'cowclip: counts for {where} say num_rows='
                      f'{counts.num_rows}, the parameter has {num_rows} rows.')
-  if block is None:
+  if table is None:
     return _Counts(_first_entry(counts.to_dense()), None)
   count_ids, values = distinct_rows(counts, f'the counts for {where}')
-  if count_ids.shape != block.ids.shape:
+  if count_ids.shape != table.ids.shape:
     raise ValueError(
         f'cowclip: counts for {where} hold {count_ids.shape[0]} ids, its '
-        f'gradient {block.ids.shape[0]}: build them with lazy_optax.id_counts '
+        f'gradient {table.ids.shape[0]}: build them with lazy_optax.id_counts '
         'from the same batch ids the loss looked up.')
   return _Counts(_first_entry(values),
-                 _differing_slots(block.ids, count_ids, num_rows))
+                 _differing_slots(table.ids, count_ids, num_rows))
 
 
-def _leaf_counts(g: Any, p: Any, c: Any, where: str,
-                 context: Optional[row_context.RowContext]
-                 ) -> Optional[_Counts]:
+def _leaf_counts(g: Any, c: Any, where: str,
+                 table: Optional[row_context.TableIds]) -> Optional[_Counts]:
   """The checked counts of one leaf, or None for a leaf not to clip."""
   if c is None:
     return None
@@ -176,23 +173,21 @@ def _leaf_counts(g: Any, p: Any, c: Any, where: str,
   if isinstance(g, SparseRows):
     raise ValueError(f'cowclip: the gradient of {where} is a '
                      'SparseRows: use cowclip inside lazy(...).')
-  return _row_counts(c, g, p, where, context)
+  return _row_counts(c, g, where, table)
 
 
 def _clip_leaf(rule: fused.RowRule, g: Any, p: Any, count: jax.Array,
-               hyper: dict[str, Any], impl: str,
-               context: Optional[row_context.RowContext]) -> Any:
+               hyper: dict[str, Any], impl: str) -> Any:
   """The clipped gradient rows `g`, `count` occurrences each."""
   per_occurrence = g / broadcast_rows(jnp.maximum(count, 1), g).astype(
       g.dtype)
-  u = fused.apply_stateless(rule, per_occurrence, p, hyper, impl,
-                            context=context)
+  u = fused.apply_stateless(rule, per_occurrence, p, hyper, impl)
   return u * broadcast_rows(count, u).astype(u.dtype)
 
 
 def _clip_tree(rule: fused.RowRule, updates: Any, params: Any, counts: Any,
                hyper: dict[str, Any], impl: str,
-               context: Optional[row_context.RowContext]) -> Any:
+               rows: Optional[row_context.Rows]) -> Any:
   """Every leaf with counts clipped, after one check of all their ids."""
   flat, treedef_ = jax.tree_util.tree_flatten_with_path(
       updates, is_leaf=is_sparse_rows)
@@ -200,12 +195,15 @@ def _clip_tree(rule: fused.RowRule, updates: Any, params: Any, counts: Any,
   try:
     p_leaves = treedef.flatten_up_to(params)
     c_leaves = treedef.flatten_up_to(counts)
+    t_leaves = (treedef.flatten_up_to(rows.ids)
+                if rows is not None and rows.ids is not None
+                else [None] * len(p_leaves))
   except (ValueError, TypeError) as e:
     raise ValueError('cowclip: params and counts must have the structure '
                      f'of the gradients ({e}).') from e
   wheres = [f'parameter {jax.tree_util.keystr(path)}' for path, _ in flat]
-  leaf_counts = [_leaf_counts(g, p, c, where, context)
-                 for (_, g), p, c, where in zip(flat, p_leaves, c_leaves,
+  leaf_counts = [_leaf_counts(g, c, where, t)
+                 for (_, g), c, t, where in zip(flat, c_leaves, t_leaves,
                                                 wheres)]
   checked = [(k, lc.differ) for k, lc in enumerate(leaf_counts)
              if lc is not None and lc.differ is not None]
@@ -213,7 +211,7 @@ def _clip_tree(rule: fused.RowRule, updates: Any, params: Any, counts: Any,
                           tuple(wheres[k] for k, _ in checked))
           if checked else 0)
   out = [g if lc is None else
-         _clip_leaf(rule, g, p, lc.per_row + zero, hyper, impl, context)
+         _clip_leaf(rule, g, p, lc.per_row + zero, hyper, impl)
          for (_, g), p, lc in zip(flat, p_leaves, leaf_counts)]
   return treedef.unflatten(out)
 
@@ -272,7 +270,7 @@ def cowclip(
     return optax.EmptyState()
 
   def update_fn(updates, state, params=None, *, counts=None, **extra_args):
-    context = row_context.context_of(extra_args)
+    rows = row_context.rows_of(extra_args)
     if params is None:
       raise ValueError('cowclip needs params (it reads the row norms): '
                        'call update(grads, state, params, counts=...).')
@@ -282,7 +280,7 @@ def cowclip(
           'lazy_optax.id_counts(ids, num_rows) for each table (None for '
           'leaves not to clip), passed as update(grads, state, params, '
           'counts=counts).')
-    return (_clip_tree(rule, updates, params, counts, hyper, impl, context),
+    return (_clip_tree(rule, updates, params, counts, hyper, impl, rows),
             state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

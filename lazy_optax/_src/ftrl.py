@@ -58,6 +58,10 @@ class ScaleByFtrlState(NamedTuple):
   linear: optax.Updates  # z: the linear term
 
 
+fused.declare(ScaleByFtrlState, fused.RuleFacts(
+    'ftrl', ('accumulator', 'linear'), 'LazyOptaxFtrl'))
+
+
 class FtrlKernelHyper(NamedTuple):
   """The FTRL kernel's hyperparameters: rows.cc's `FTRL_FIELDS`, in order."""
   lr: Any

@@ -108,7 +108,7 @@ def explain_update(
     ('xla', 'adam')
   """
   log: list[row_context.Choice] = []
-  rows = {row_context.ROWS_KEY: row_context.RowContext(log=log)}
+  rows = {row_context.ROWS_KEY: row_context.Rows(log=log)}
   if (isinstance(tx, optax.GradientTransformation)
       and not isinstance(tx, optax.GradientTransformationExtraArgs)):
     rows = {}  # its update takes no extra arguments: none reach a lazy

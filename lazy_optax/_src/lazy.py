@@ -11,12 +11,14 @@ import optax
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import damage
+from lazy_optax._src import fused
 from lazy_optax._src import grads as _grads
 from lazy_optax._src import row_context
 from lazy_optax._src import row_ops
 from lazy_optax._src import row_state
 from lazy_optax._src import tree_diff
 from lazy_optax._src import validate
+from lazy_optax._src.id_code import index_dtype
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import distinct_rows
@@ -116,8 +118,8 @@ def _check_dense_tables(leaves: _Leaves, skip_zero_rows: bool,
   """Refuses a dense gradient for a table that `value_and_grad` gave a
   `SparseRows` (the zeros_like accumulation); `explain_update` is told
   which tables take the dense rule."""
-  context = row_context.context_of(extra_args)
-  log = context.log if context is not None else None
+  given = row_context.rows_of(extra_args)
+  log = given.log if given is not None else None
   for g, p, name in zip(leaves.grads, leaves.params, leaves.names):
     if isinstance(g, SparseRows) or skip_zero_rows or jnp.ndim(g) < 2:
       continue
@@ -197,19 +199,16 @@ def _put_back(old: jax.Array, new: jax.Array, row: _RowLeaf,
 
 
 def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
-                 new_updates: Any, context: row_context.RowContext) -> Any:
+                 new_updates: Any) -> Any:
   out = leaves.treedef.flatten_up_to(new_updates)
   for i, row in rows.items():
     if row.ids is not None:
-      how = context.fused_add(out[i])  # a rule's rows, as it returned them
       # The update's rows move as its gradient's (`impl`, part of the tree
       # structure): a `lax.cond` between the two (`optax.apply_if_finite`)
       # has one tree structure.
       out[i] = SparseRows.from_unique(
           row.ids, out[i], leaves.grads[i].num_rows, distinct=True,
           impl=leaves.grads[i].impl)
-      if how is not None:
-        out[i] = out[i].with_fused_add(how)
     else:
       assert row.row_mask is not None
       out[i] = jnp.where(broadcast_rows(row.row_mask, out[i]), out[i],
@@ -217,52 +216,62 @@ def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
   return leaves.treedef.unflatten(out)
 
 
-_NO_RULE = ('no lazy_optax rule found these rows in the row context that '
-            'lazy(...) passes as the extra argument '
-            f'{row_context.ROWS_KEY}= (tx holds no lazy_optax rule, a wrapper '
-            'around the rule dropped '
-            "optax's extra arguments, as a plain optax.GradientTransformation "
-            'does, or handed it copies of the rows, as a lax.cond does): '
-            'lazy(...) ran tx on the gathered rows')
+_NO_RULE = ('no lazy_optax rule declares these state rows (tx holds no '
+            'lazy_optax rule for this table): lazy(...) ran tx on the '
+            'gathered rows')
 
-_LOST = ('its update ran where lazy(...) cannot take the tables it writes '
-         '(a wrapper rebuilt its state, as optax.apply_if_finite\'s lax.cond '
-         'does): the rule computes on the row blocks and lazy(...) writes '
-         'them back')
+_LOST = ('its state sits in a wrapper that rebuilds it (optax.apply_if_finite '
+         'or MultiSteps under a lax.cond): the rule computes on the row '
+         'blocks and lazy(...) writes them back')
+
+# Wrappers whose update rebuilds the inner state under a `lax.cond`: a
+# table written in place there would be copied, so their rules compute on
+# the row blocks.
+_REBUILT = (optax.ApplyIfFiniteState, optax.MultiStepsState,
+            optax.ConditionallyMaskState, optax.ConditionallyTransformState)
+
+
+class _RuleLeaf(NamedTuple):
+  """A state leaf that a declared rule's table holds (`fused.declare`)."""
+  facts: fused.RuleFacts
+  field: str
+  instance: int  # which declared state, in the state's leaf order
+  lost: bool     # inside a wrapper of `_REBUILT`
+
+
+def _rule_leaves(state: Any) -> list[Optional[_RuleLeaf]]:
+  """Per leaf of `state`, the declared rule table it belongs to, if any:
+  the declared states found by type, without tracing `update`."""
+  out: list[Optional[_RuleLeaf]] = []
+
+  def stop(node: Any) -> Any:
+    return lambda x: x is not node and (fused.facts_of(x) is not None
+                                        or isinstance(x, _REBUILT))
+
+  def walk(node: Any, lost: bool) -> None:
+    for sub in jax.tree.leaves(node, is_leaf=stop(node)):
+      facts = fused.facts_of(sub)
+      if isinstance(sub, _REBUILT):
+        walk(sub, True)
+      elif facts is None:
+        out.append(None)
+      else:
+        instance = len({r.instance for r in out if r is not None})
+        for field in sub._fields:
+          rule_leaf = (_RuleLeaf(facts, field, instance, lost)
+                       if field in facts.tables else None)
+          out.extend(rule_leaf for _ in jax.tree.leaves(getattr(sub, field)))
+
+  walk([state], False)
+  return out
 
 
 class _Plan(NamedTuple):
-  """What `lazy` decided for one update, per position of a `SparseRows`."""
-  tables: dict[int, _backend.Backend]            # the row moves
-  rules: dict[int, dict[str, _backend.Backend]]  # each rule's update
-
-
-def _signature(tree: Any) -> tuple[Any, ...]:
-  """`row_state.signature`, a `SparseRows` described by its shapes, not
-  flattened: flattening one built from ids encodes them (ops that a trace
-  would carry to its end unused)."""
-  leaves, treedef = jax.tree.flatten(tree, is_leaf=is_sparse_rows)
-  return treedef, tuple(
-      (x.num_rows, x.num_ids, x.row_shape, str(x.dtype))
-      if is_sparse_rows(x) else row_state.leaf_signature(x) for x in leaves)
-
-
-class _ProbeCache:
-  """What the rules ask for, per tree signature (one abstract trace each)."""
-
-  def __init__(self) -> None:
-    self._known: dict[Any, tuple[dict[str, list[row_context.Request]],
-                                 set[str]]] = {}
-
-  def __call__(self, probe: Any, tree: Any
-               ) -> tuple[dict[str, list[row_context.Request]], set[str]]:
-    key = (_signature(tree), cpu_kernels.loaded())
-    known = self._known.get(key)
-    if known is None:
-      box = []
-      jax.eval_shape(lambda: box.append(probe()))
-      known = self._known[key] = (box[0].requests, box[0].lost())
-    return known
+  """What `lazy` decided for one update, before tracing it."""
+  moves: dict[int, _backend.Backend]    # per table position: row moves
+  # per state leaf handed whole: its backend and its rule's name
+  tabled: dict[int, tuple[_backend.Backend, str]]
+  choices: dict[tuple[int, int], row_context.Choice]  # (position, rule)
 
 
 def _table_of(pos: int, leaves: _Leaves, state_leaves: list[Any],
@@ -276,81 +285,89 @@ def _table_of(pos: int, leaves: _Leaves, state_leaves: list[Any],
   return leaves.grads[pos].values
 
 
-def _decide_table(table: Any, name: str, impl: str, grad_impl: str,
-                  requests: list[row_context.Request], lost: bool
-                  ) -> tuple[_backend.Backend, dict[str, _backend.Backend]]:
-  """One table's backend: its row moves (XLA's where `lazy`, a rule or the
-  gradient asks for them), and each rule's update."""
+def _moves_note(move: _backend.Backend) -> str:
+  return (' (rows moved by the C++ kernels on CPU)' if move.row_kernels
+          else ' (rows moved by XLA)')
+
+
+def _decide_rule(table: Any, name: str, impl: str, grad: SparseRows,
+                 rule_tables: dict[str, Any], rule_leaf: _RuleLeaf
+                 ) -> _backend.Backend:
+  """The backend of one declared rule's tables of one parameter."""
   where = _backend.placement(table)
-  asked = [impl, grad_impl] + [r.impl for r in requests]
-  row_kernels = (not {'xla', 'generic'} & set(asked)
-                 and _backend.row_kernels_allowed(where))
-  moves = _backend.Backend('generic', 'lazy(...) moves the rows',
-                           row_kernels, where)
-  rules = {}
-  for r in requests:
-    if lost:
-      rules[r.rule] = _backend.Backend('generic', _LOST, row_kernels, where)
-      continue
-    decided = _backend.decide(table, impl if r.impl == 'auto' else r.impl,
-                              refusal=r.refusal, subject=r.rule, name=name)
-    rules[r.rule] = decided._replace(row_kernels=row_kernels)
-  return moves, rules
+  if rule_leaf.lost:
+    return _backend.Backend('generic', _LOST, False, where)
+  why = fused.refusal(rule_leaf.facts, rule_tables, grad.dtype,
+                      index_dtype(grad.num_rows))
+  return _backend.decide(table, impl, refusal=why,
+                         subject=rule_leaf.facts.name, name=name)
 
 
-def _state_owners(find_owners: Any, leaves: _Leaves, positions: list[int],
-                  state: Any) -> list[Optional[int]]:
-  """Per state leaf, the position of the table it mirrors (None: none), among
-  the tables at `positions` (`row_state.OwnerCache`)."""
-  return find_owners(
-      param_shapes=[_shape_struct(g) for g in leaves.grads],
-      rebuild_params=leaves.treedef.unflatten,
-      row_param_positions=positions, state=state)
-
-
-def _decide(leaves: _Leaves, state: Any, impl: str,
-            requests: dict[str, list[row_context.Request]], lost: set[str],
-            find_owners: Any) -> _Plan:
-  sparse = [i for i, g in enumerate(leaves.grads)
-            if isinstance(g, SparseRows)]
-  owners = _state_owners(find_owners, leaves, sparse, state)
+def _decide(leaves: _Leaves, state: Any, owners: list[Optional[int]],
+            impl: str) -> _Plan:
+  """Every table's row moves and every declared rule's backend."""
   state_leaves = jax.tree.leaves(state)
-  plan = _Plan({}, {})
-  for pos in sparse:
+  rule_leaves = _rule_leaves(state)
+  plan = _Plan({}, {}, {})
+  for pos, grad in enumerate(leaves.grads):
+    if not isinstance(grad, SparseRows):
+      continue
     name = leaves.names[pos]
-    plan.tables[pos], plan.rules[pos] = _decide_table(
-        _table_of(pos, leaves, state_leaves, owners), name, impl,
-        leaves.grads[pos].impl, requests.get(name, []), name in lost)
+    table = _table_of(pos, leaves, state_leaves, owners)
+    kernels = (impl not in ('xla', 'generic') and grad.impl != 'xla'
+               and _backend.row_kernels_allowed(_backend.placement(table)))
+    move = plan.moves[pos] = _backend.Backend(
+        'generic', 'lazy(...) moves the rows', kernels,
+        _backend.placement(table))
+    groups: dict[int, list[int]] = {}
+    for i, (owner, rule_leaf) in enumerate(zip(owners, rule_leaves)):
+      if owner == pos and rule_leaf is not None:
+        groups.setdefault(rule_leaf.instance, []).append(i)
+    for instance, held in groups.items():
+      rule_leaf = rule_leaves[held[0]]
+      assert rule_leaf is not None
+      decided = _decide_rule(
+          table, name, impl, grad,
+          {rule_leaves[i].field: state_leaves[i] for i in held},  # type: ignore[union-attr]
+          rule_leaf)._replace(row_kernels=kernels)
+      plan.choices[pos, instance] = row_context.Choice(
+          name, rule_leaf.facts.name, decided.kind,
+          decided.reason + _moves_note(move))
+      if not rule_leaf.lost:
+        plan.tabled.update((i, (decided, rule_leaf.facts.name))
+                           for i in held)
+    if not groups:
+      plan.choices[pos, -1] = row_context.Choice(
+          name, 'tx', 'generic',
+          (_NO_RULE if pos in owners else 'no state rows: only the update '
+           'rows') + _moves_note(move))
   return plan
 
 
 class _Blocks(NamedTuple):
-  """One trace's row blocks, and what gathering them and writing them back
-  reads."""
+  """One trace's row blocks, and the plan that moves them."""
   leaves: _Leaves
   rows: dict[int, _RowLeaf]             # the row-lazy leaves, by position
-  plan: Optional[_Plan]                 # None while `lazy` probes
-  context: row_context.RowContext       # where the blocks are registered
+  plan: Optional[_Plan]                 # None for dense leaves only
 
   def moves(self, pos: int) -> Optional[_backend.Backend]:
-    """The row moves of the table at `pos` (None while probing)."""
-    return self.plan.tables.get(pos) if self.plan is not None else None
+    return self.plan.moves.get(pos) if self.plan is not None else None
 
 
-def _at_rows(blocks: _Blocks, leaf: Any, pos: Optional[int]) -> Any:
+def _at_rows(blocks: _Blocks, leaf: Any, pos: Optional[int],
+             index: Optional[int] = None) -> Any:
   """`leaf` at the touched rows of the table at `pos` (the leaf itself for
-  None), registered in the context where it is gathered by ids."""
+  None); a declared rule's table handed whole (`fused.TableRows`) where
+  the plan says so."""
   if pos is None:
     return leaf
   row = blocks.rows[pos]
-  move = blocks.moves(pos)
-  block = _gather(leaf, row, move)
-  if row.ids is not None:
-    plan = blocks.plan
-    blocks.context.register(block, row_context.Block(
-        leaf, row.ids, blocks.leaves.names[pos],
-        plan.rules.get(pos, {}) if plan is not None else None, move))
-  return block
+  plan = blocks.plan
+  if plan is not None and index in plan.tabled and row.ids is not None:
+    decided, rule = plan.tabled[index]
+    return fused.TableRows(leaf, row.ids, decided, rule,
+                           blocks.leaves.names[pos])
+  return _gather(leaf, row, blocks.moves(pos))
 
 
 def _row_inputs(blocks: _Blocks, state: Any, owners: list[Optional[int]],
@@ -358,8 +375,9 @@ def _row_inputs(blocks: _Blocks, state: Any, owners: list[Optional[int]],
   """The state and parameters `tx.update` sees: each leaf that mirrors a
   table at its touched rows (the state first)."""
   state_leaves, state_def = jax.tree.flatten(state)
-  row_state_tree = jax.tree.unflatten(
-      state_def, [_at_rows(blocks, s, o) for s, o in zip(state_leaves, owners)])
+  row_state_tree = jax.tree.unflatten(state_def, [
+      _at_rows(blocks, s, o, i)
+      for i, (s, o) in enumerate(zip(state_leaves, owners))])
   row_params = None
   if params is not None:
     row_params = blocks.leaves.treedef.unflatten(
@@ -372,11 +390,10 @@ def _write_back(blocks: _Blocks, old: Any, new: Any, pos: Optional[int]
                 ) -> Any:
   """The new state leaf: the table a rule wrote itself, else `new`'s rows
   written into `old` (`new` itself for a leaf that mirrors no table)."""
+  if isinstance(new, fused.TableRows):
+    return new.table
   if pos is None:
     return new
-  table = blocks.context.written(new)  # the rule wrote the whole table itself
-  if table is not None:
-    return table
   return _put_back(old, new, blocks.rows[pos], blocks.moves(pos))
 
 
@@ -384,54 +401,85 @@ def _new_state(blocks: _Blocks, state: Any, new_row_state: Any,
                owners: list[Optional[int]]) -> Any:
   """`state` with the rows `tx.update` returned written back."""
   state_leaves, state_def = jax.tree.flatten(state)
+  new_leaves = jax.tree.leaves(new_row_state, is_leaf=fused.is_table_rows)
   return jax.tree.unflatten(state_def, [
-      _write_back(blocks, o, n, pos) for o, n, pos in zip(
-          state_leaves, jax.tree.leaves(new_row_state), owners)])
+      _write_back(blocks, o, n, pos)
+      for o, n, pos in zip(state_leaves, new_leaves, owners)])
 
 
-def _record_unfused(blocks: _Blocks, owners: list[Optional[int]]) -> None:
-  """Records `tx`'s generic update for each table no rule reported on."""
-  for pos, row in blocks.rows.items():
-    name = blocks.leaves.names[pos]
-    if row.ids is not None and name not in blocks.context.chosen:
-      blocks.context.record(row_context.Choice(
-          name, 'tx', 'generic',
-          (_NO_RULE if pos in owners else 'no state rows: only the update rows')
-          + _moves_note(blocks.moves(pos))))
+def _report(plan: _Plan, new_row_state: Any, log: list[row_context.Choice]
+            ) -> None:
+  """Adds each table's choice to `explain_update`'s log: as decided, or as
+  the rule ran it (a rule's own `impl=` narrows `lazy`'s decision)."""
+  ran = {(t.name, t.rule): t.backend for t in jax.tree.leaves(
+      new_row_state, is_leaf=fused.is_table_rows)
+         if isinstance(t, fused.TableRows)}
+  for choice in plan.choices.values():
+    backend = ran.get((choice.parameter, choice.rule))
+    if backend is not None and backend.kind != choice.impl:
+      choice = choice._replace(impl=backend.kind, reason=backend.reason)
+    log.append(choice)
+
+
+def _ids_tree(leaves: _Leaves, rows: dict[int, _RowLeaf]) -> Any:
+  return leaves.treedef.unflatten([
+      row_context.TableIds(rows[i].ids, leaves.grads[i].num_rows)
+      if i in rows and rows[i].ids is not None else None
+      for i in range(len(leaves.grads))])
 
 
 def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
            params: Any, extra_args: dict[str, Any], skip_zero_rows: bool,
-           plan: Optional[_Plan]) -> tuple[Any, Any, row_context.RowContext]:
-  """`inner.update` on the touched rows: gather, update, write back.
-
-  With `plan` None this is `lazy`'s probe: the blocks carry no backend and
-  the rules report what they ask for.
-  """
-  moves = plan.tables if plan is not None else None
-  rows, row_grads = _row_leaves(leaves, skip_zero_rows, moves)
+           impl: str) -> tuple[Any, Any]:
+  """`inner.update` on the touched rows: decide, gather, update, write
+  back (one trace of `inner.update`)."""
+  sparse = [i for i, g in enumerate(leaves.grads)
+            if isinstance(g, SparseRows)]
+  for i in sparse:  # before the state is read: its messages name the cause
+    check_sparse_leaf(leaves.grads[i], leaves.params[i], leaves.names[i])
+  plan = (_decide(leaves, state,
+                  _state_owners(find_owners, leaves, sparse, state), impl)
+          if sparse else None)
+  rows, row_grads = _row_leaves(
+      leaves, skip_zero_rows, plan.moves if plan is not None else None)
   rows, seen = _gated(rows, leaves.grads)
   owners = _state_owners(find_owners, leaves, list(rows), state)
-  # Nested in another `lazy` (or in `explain_update`): the outer context
-  # stays reachable through this one.
-  context = row_context.RowContext(row_context.context_of(extra_args))
-  blocks = _Blocks(leaves, rows, plan, context)
+  blocks = _Blocks(leaves, rows, plan)
   row_state_tree, row_params = _row_inputs(blocks, state, owners, params)
+  given = row_context.rows_of(extra_args)
   new_updates, new_row_state = inner.update(
       leaves.treedef.unflatten(row_grads), row_state_tree, row_params,
-      **{**extra_args, row_context.ROWS_KEY: context})
+      **{**extra_args, row_context.ROWS_KEY: row_context.Rows(
+          _ids_tree(leaves, rows))})
   new_state = _new_state(blocks, state, new_row_state, owners)
   _note_writes(state, new_state, owners, rows, seen)
-  _record_unfused(blocks, owners)
-  return (_row_updates(leaves, rows, new_updates, context),
-          new_state, context)
+  if plan is not None and given is not None and given.log is not None:
+    _report(plan, new_row_state, given.log)
+  return _row_updates(leaves, rows, new_updates), new_state
 
 
-def _moves_note(move: Optional[_backend.Backend]) -> str:
-  if move is None:
-    return ''
-  return (' (rows moved by the C++ kernels on CPU)' if move.row_kernels
-          else ' (rows moved by XLA)')
+def _state_owners(find_owners: Any, leaves: _Leaves, positions: list[int],
+                  state: Any) -> list[Optional[int]]:
+  """Per state leaf, the position of the table it mirrors (None: none), among
+  the tables at `positions` (`row_state.OwnerCache`)."""
+  return find_owners(
+      param_shapes=[_shape_struct(g) for g in leaves.grads],
+      rebuild_params=leaves.treedef.unflatten,
+      row_param_positions=positions, state=state)
+
+
+def _narrow(state: Any, impl: str) -> Any:
+  """The tables an outer `lazy` handed over whole, as this `lazy`'s
+  `impl=` narrows them (a `lazy` nested in another)."""
+  if impl == 'auto':
+    return state
+  return jax.tree.map(
+      lambda t: t.replace(t.table, fused.narrowed(
+          t.backend, impl, 'lazy', t.name,
+          lambda: _backend.decide(t.table, impl, subject='lazy',
+                                  name=t.name)))
+      if isinstance(t, fused.TableRows) else t,
+      state, is_leaf=fused.is_table_rows)
 
 
 def lazy(
@@ -512,34 +560,21 @@ def lazy(
   validate.impl_argument(impl, 'lazy')
   inner = optax.with_extra_args_support(tx)
   find_owners = row_state.OwnerCache(inner.init)
-  probes = _ProbeCache()
 
   def init_fn(params):
     cpu_kernels.load_for(params)
     return inner.init(params)
 
-  def run(leaves, state, params, extra_args, plan):
-    return _trace(inner, find_owners, leaves, state, params, extra_args,
-                  skip_zero_rows, plan)
-
   def update_fn(updates, state, params=None, **extra_args):
     leaves = _flatten(updates, params)
     _check_dense_tables(leaves, skip_zero_rows, extra_args)
-    if not any(isinstance(g, SparseRows) for g in leaves.grads):
-      # Dense leaves only: checked, and row-lazy with skip_zero_rows.
-      if not _row_leaves(leaves, skip_zero_rows, None)[0]:
-        return inner.update(updates, state, params, **extra_args)
-      new_updates, new_state, _ = run(leaves, state, params, extra_args,
-                                      None)
-      return new_updates, new_state
-    requests, lost = probes(
-        lambda: run(leaves, state, params, extra_args, None)[2],
-        (updates, state, params, sorted(extra_args)))
-    plan = _decide(leaves, state, impl, requests, lost, find_owners)
-    new_updates, new_state, context = run(leaves, state, params, extra_args,
-                                          plan)
-    context.publish()
-    return new_updates, new_state
+    if (not any(isinstance(g, SparseRows) for g in leaves.grads)
+        and not _row_leaves(leaves, skip_zero_rows, None)[0]):
+      # Dense leaves only (or the row blocks of an outer `lazy`).
+      return inner.update(updates, _narrow(state, impl), params,
+                          **extra_args)
+    return _trace(inner, find_owners, leaves, state, params, extra_args,
+                  skip_zero_rows, impl)
 
   return optax.GradientTransformationExtraArgs(init=init_fn,
                                                update=update_fn)

@@ -227,7 +227,7 @@ def _lazy_choices(inner: optax.GradientTransformationExtraArgs, acc: Any,
   reported)."""
   log: list[row_context.Choice] = []
   args = {k: v for k, v in extra_args.items() if k != row_context.ROWS_KEY}
-  args[row_context.ROWS_KEY] = row_context.RowContext(log=log)
+  args[row_context.ROWS_KEY] = row_context.Rows(log=log)
   jax.eval_shape(lambda: inner.update(_accumulated_grads(acc, updates),
                                       inner_state, params, **args))
   return {choice.parameter: choice for choice in log}

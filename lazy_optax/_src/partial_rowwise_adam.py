@@ -52,6 +52,10 @@ class ScaleByPartialRowwiseAdamState(NamedTuple):
   nu: optax.Updates  # [num_rows] per parameter (scalar: scalar)
 
 
+fused.declare(ScaleByPartialRowwiseAdamState, fused.RuleFacts(
+    'partial_rowwise_adam', ('mu', 'nu'), 'LazyOptaxPartialRowwiseAdam'))
+
+
 class PartialRowwiseAdamKernelHyper(NamedTuple):
   """The partial row-wise Adam kernel's hyperparameters: rows.cc's
   `PARTIAL_ROWWISE_ADAM_FIELDS`, in order."""

@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 import jax.numpy as jnp
 import optax
 
-from lazy_optax._src import cpu_kernels
 from lazy_optax._src import fused
 from lazy_optax._src import row_context
 from lazy_optax._src import validate
@@ -57,8 +56,7 @@ def _rule() -> fused.RowRule:
 
   return fused.stateless_rule(
       'row_max_norm', step, 'LazyOptaxRowMaxNorm',
-      lambda hyper: RowMaxNormKernelHyper(hyper['max_norm']),
-      fused_add=cpu_kernels.add_row_max_norm)
+      lambda hyper: RowMaxNormKernelHyper(hyper['max_norm']))
 
 
 def row_max_norm(

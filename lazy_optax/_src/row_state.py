@@ -31,16 +31,19 @@ def _all_dims(tree: Any) -> set[int]:
   return dims
 
 
-def _row_count_probe(
+def _probe_shapes(
     param_shapes: Sequence[jax.ShapeDtypeStruct],
     row_param_positions: Sequence[int],
     used: set[int],
 ) -> tuple[list[jax.ShapeDtypeStruct], dict[int, int]]:
-  """The shapes with each row-lazy parameter given its own unused row count.
+  """The shapes with each row-lazy parameter given its own unused row count,
+  and each of its row dimensions grown by one.
 
   The probe sizes avoid every size in `used` (the sizes of the state and
-  the parameters; a state that differs from what `init` gives is refused
-  by `row_owners`).
+  the parameters). A state leaf that follows a probe row count holds that
+  parameter's rows; one that follows the row shape alone holds a statistic
+  across rows (adafactor's factored moment), which the touched rows alone
+  cannot update.
 
   Returns:
     The probe shapes, and the position of the parameter of each probe size.
@@ -53,106 +56,85 @@ def _row_count_probe(
       size += 2
     probe_of[size] = pos
     shape = param_shapes[pos]
-    probe_shapes[pos] = jax.ShapeDtypeStruct((size, *shape.shape[1:]),
-                                             shape.dtype)
+    probe_shapes[pos] = jax.ShapeDtypeStruct(
+        (size, *(d + 1 for d in shape.shape[1:])), shape.dtype)
     size += 2
   return probe_shapes, probe_of
 
 
-def _row_shape_probe(
-    param_shapes: Sequence[jax.ShapeDtypeStruct],
-    row_param_positions: Sequence[int],
-) -> list[jax.ShapeDtypeStruct]:
-  """The shapes with each row-lazy parameter's row shape (not row count) grown.
-
-  A leaf that follows this probe but not the row count holds a statistic
-  across rows (adafactor's factored column moment, a column sum), which the
-  touched rows alone cannot update.
-  """
-  trail_shapes = list(param_shapes)
-  for pos in row_param_positions:
-    shape = param_shapes[pos]
-    trail_shapes[pos] = jax.ShapeDtypeStruct(
-        (shape.shape[0], *(d + 1 for d in shape.shape[1:])), shape.dtype)
-  return trail_shapes
-
-
-def _check_structure(state: Any, real: Any, state_def: Any,
-                     real_def: Any) -> None:
-  """Refuses a state whose tree is not the one `init` gives (`real`)."""
-  if state_def != real_def:
+def _check_structure(state: Any, probe: Any, state_def: Any,
+                     probe_def: Any) -> None:
+  """Refuses a state whose tree is not the one `init` gives."""
+  if state_def != probe_def:
     difference = tree_diff.describe(
-        state, real, 'the given state', 'the state this optimizer makes')
+        state, probe, 'the given state', 'the state this optimizer makes')
     raise ValueError(
         'The optimizer state does not have the structure that this '
         'transformation\'s init gives for these parameters: was it built by '
         f'another optimizer or for other parameters? {difference}.\n'
-        f' expected: {real_def}\n got: {state_def}')
+        f' expected: {probe_def}\n got: {state_def}')
 
 
-def _check_leaf_shape(where: str, state_leaf: Any, real: Any) -> None:
-  """Refuses a state leaf whose shape is not the one `init` gives."""
-  if tuple(getattr(state_leaf, 'shape', ())) != tuple(real.shape):
-    raise ValueError(
-        f'Optimizer state leaf {where} has shape {tuple(state_leaf.shape)}, '
-        'but this transformation\'s init gives '
-        f'{tuple(real.shape)} for these parameters: was the state built by '
-        'another optimizer or for other parameters?')
+def _other_params(where: str, shape: tuple[int, ...],
+                  expected: tuple[int, ...]) -> ValueError:
+  return ValueError(
+      f'Optimizer state leaf {where} has shape {shape}, but this '
+      f"transformation's init gives {expected} for these parameters: was "
+      'the state built by another optimizer or for other parameters?')
 
 
-def _check_not_across_rows(where: str, real: Any, trail: Any) -> None:
-  """Refuses a leaf that follows a row shape (`trail`) but not a row count.
-
-  `trail` is None where the row-shape probe's state has other leaves.
-  """
-  if trail is not None and tuple(trail.shape) != tuple(real.shape):
-    raise ValueError(
-        f'Optimizer state leaf {where} (shape {tuple(real.shape)}) depends '
-        'on the row shape of a row-lazy parameter but not on its row '
-        'count: it holds a statistic across rows (such as a factored '
-        'second moment), which cannot be updated from the touched rows '
-        'alone. Keep that parameter dense (no SparseRows gradient) or use '
-        'a transformation whose state mirrors the parameters row by row.')
-
-
-def _row_owner(where: str, real: Any, probe: Any, probe_of: dict[int, int],
-               param_shapes: Sequence[jax.ShapeDtypeStruct]) -> int:
-  """The parameter whose row-count probe the leaf follows, one entry a row."""
-  owner = probe_of.get(probe.shape[0]) if probe.shape else None
-  if (owner is None or tuple(probe.shape[1:]) != tuple(real.shape[1:])
-      or real.shape[0] != param_shapes[owner].shape[0]):
-    raise ValueError(
-        f'Optimizer state leaf {where} (shape {tuple(real.shape)}) depends on '
-        'the shape of a row-lazy parameter but does not hold one entry per '
-        'row of it, so it cannot be updated row by row. Keep that '
-        'parameter dense (no SparseRows gradient) or use a transformation '
-        'whose state mirrors the parameters.')
-  return owner
+def _not_row_by_row(where: str, shape: tuple[int, ...],
+                    across_rows: bool) -> ValueError:
+  if across_rows:
+    return ValueError(
+        f'Optimizer state leaf {where} (shape {shape}) depends on the row '
+        'shape of a row-lazy parameter but not on its row count: it holds '
+        'a statistic across rows (such as a factored second moment), which '
+        'cannot be updated from the touched rows alone. Keep that parameter '
+        'dense (no SparseRows gradient) or use a transformation whose state '
+        'mirrors the parameters row by row.')
+  return ValueError(
+      f'Optimizer state leaf {where} (shape {shape}) depends on the shape of '
+      'a row-lazy parameter but does not hold one entry per row of it, so '
+      'it cannot be updated row by row. Keep that parameter dense (no '
+      'SparseRows gradient) or use a transformation whose state mirrors the '
+      'parameters.')
 
 
-def _leaf_owner(where: str, state_leaf: Any, real: Any, probe: Any,
-                trail: Any, probe_of: dict[int, int],
-                param_shapes: Sequence[jax.ShapeDtypeStruct]
+def _leaf_owner(where: str, shape: tuple[int, ...], probe: tuple[int, ...],
+                probe_of: dict[int, int],
+                param_shapes: Sequence[jax.ShapeDtypeStruct],
+                probe_shapes: Sequence[jax.ShapeDtypeStruct]
                 ) -> Optional[int]:
-  """One leaf's owner from its shapes under `init`, both probes and `state`.
+  """One leaf's owner, from its shape and its shape under the probe.
 
   Args:
     where: the leaf's path, for the messages.
-    state_leaf: the leaf of the given state.
-    real, probe, trail: its shapes under the real shapes, the row-count
-      probe and the row-shape probe (`trail` None where that probe's state
-      has other leaves).
+    shape: the leaf's shape in the given state.
+    probe: its shape under the probe shapes.
     probe_of: the parameter position of each probe row count.
-    param_shapes: shape structs of the flattened parameters.
+    param_shapes, probe_shapes: shape structs of the flattened parameters,
+      real and probed.
 
   Returns:
     The owner's position, or None for a leaf that ignores the row counts.
   """
-  _check_leaf_shape(where, state_leaf, real)
-  if tuple(probe.shape) == tuple(real.shape):
-    _check_not_across_rows(where, real, trail)
+  if probe == shape:
     return None
-  return _row_owner(where, real, probe, probe_of, param_shapes)
+  owner = probe_of.get(probe[0]) if probe else None
+  if owner is None:
+    raise _not_row_by_row(
+        where, shape, across_rows=not set(probe) & set(probe_of))
+  real = tuple(param_shapes[owner].shape)
+  if probe[1:] == tuple(probe_shapes[owner].shape)[1:]:
+    expected = real  # one row of the parameter per entry
+  elif probe[1:] == shape[1:]:
+    expected = real[:1] + probe[1:]  # a statistic per row
+  else:
+    raise _not_row_by_row(where, shape, across_rows=False)
+  if shape != expected:
+    raise _other_params(where, shape, expected)
+  return owner
 
 
 def row_owners(
@@ -163,6 +145,8 @@ def row_owners(
     state: Any,
 ) -> list[Optional[int]]:
   """For each leaf of `state`, the parameter position whose rows it holds.
+
+  One abstract trace of `init_fn`, for the probe shapes (`_probe_shapes`).
 
   Args:
     init_fn: the inner transformation's `init`.
@@ -182,24 +166,16 @@ def row_owners(
       entry per row.
   """
   used = _all_dims((state, param_shapes))
-  probe_shapes, probe_of = _row_count_probe(param_shapes, row_param_positions,
-                                            used)
-  trail_shapes = _row_shape_probe(param_shapes, row_param_positions)
-  # The real shapes and both probes, in one abstract evaluation.
-  real, probe, trail = jax.eval_shape(
-      lambda *shapes: tuple(init_fn(rebuild_params(s)) for s in shapes),
-      list(param_shapes), probe_shapes, trail_shapes)
-  trail_leaves = jax.tree.leaves(trail)
-
-  real_paths, real_def = jax.tree_util.tree_flatten_with_path(real)
+  probe_shapes, probe_of = _probe_shapes(param_shapes, row_param_positions,
+                                         used)
+  probe = jax.eval_shape(lambda s: init_fn(rebuild_params(s)),
+                         list(probe_shapes))
+  probe_paths, probe_def = jax.tree_util.tree_flatten_with_path(probe)
   state_leaves, state_def = jax.tree.flatten(state)
-  _check_structure(state, real, state_def, real_def)
-  probe_leaves = jax.tree.leaves(probe)
-  if len(trail_leaves) != len(probe_leaves):
-    trail_leaves = [None] * len(probe_leaves)
-  return [_leaf_owner(path_name(path), s, r, p, t, probe_of, param_shapes)
-          for (path, r), p, s, t in zip(real_paths, probe_leaves, state_leaves,
-                                        trail_leaves)]
+  _check_structure(state, probe, state_def, probe_def)
+  return [_leaf_owner(path_name(path), tuple(getattr(s, 'shape', ())),
+                      tuple(p.shape), probe_of, param_shapes, probe_shapes)
+          for (path, p), s in zip(probe_paths, state_leaves)]
 
 
 def leaf_signature(x: Any) -> tuple[Any, ...]:
@@ -215,8 +191,8 @@ def signature(tree: Any) -> tuple[Any, ...]:
 class OwnerCache:
   """`row_owners` for one transformation, remembered per tree signature.
 
-  `row_owners` traces `init` three times (in one `jax.eval_shape`); a step
-  that is not jitted would pay that on every call. The answer depends only
+  `row_owners` traces `init` once; a step that is not jitted would pay that
+  on every call. The answer depends only
   on the structures, shapes and dtypes involved, so it is kept per such
   signature.
   """

@@ -57,6 +57,10 @@ class ScaleByRowwiseAdagradState(NamedTuple):
   sum_of_squares: optax.Updates  # [num_rows] per parameter (scalar: scalar)
 
 
+fused.declare(ScaleByRowwiseAdagradState, fused.RuleFacts(
+    'rowwise_adagrad', ('sum_of_squares',), 'LazyOptaxRowwiseAdagrad'))
+
+
 class RowwiseAdagradKernelHyper(NamedTuple):
   """The row-wise Adagrad kernel's hyperparameters: rows.cc's
   `ROWWISE_ADAGRAD_FIELDS`, in order."""

@@ -68,6 +68,12 @@ class ScaleByRowwiseAdagradWithCounterState(NamedTuple):
   counter_peak: chex.Array  # float32 scalar, the largest counter stored
 
 
+fused.declare(ScaleByRowwiseAdagradWithCounterState, fused.RuleFacts(
+    'rowwise_adagrad_with_counter',
+    ('sum_of_squares', 'row_counter', 'last_step'),
+    'LazyOptaxRowwiseAdagradWithCounter', ('last_step',)))
+
+
 class RowwiseAdagradCounterKernelHyper(NamedTuple):
   """The kernel's hyperparameters: rows.cc's `ROWWISE_ADAGRAD_COUNTER_FIELDS`,
   in order (`step` and `catch_up_cap` are its int32 fields)."""
@@ -233,15 +239,12 @@ def _rule(cfg: _Config) -> fused.RowRule:
         lr_mode=_LR_CODES[cfg.lr_mode], step=t,
         catch_up_cap=jnp.asarray(t - cfg.adjustment_iter, jnp.int32))
 
-  # The state reads the weights in 'l2' mode only; the update is
-  # `-adj g + (corr - 1) w`, linear in them.
   return fused.RowRule(
       'rowwise_adagrad_with_counter', new_rows, step,
       ('sum_of_squares', 'row_counter', 'last_step'),
       'LazyOptaxRowwiseAdagradWithCounter', kernel_hyper,
       needs_params=needs_params, step_reads_old_rows=True,
-      int_tables=('last_step',),
-      split_params=cfg.decay_mode in ('decoupled', 'adagradw'))
+      int_tables=('last_step',))
 
 
 def _check(learning_rate, eps, weight_decay, counter_weight_decay_mode,
@@ -331,7 +334,8 @@ def _transform(learning_rate: optax.ScalarOrSchedule, cfg: _Config,
         context=row_context.context_of(extra_args))
     return new_updates, ScaleByRowwiseAdagradWithCounterState(
         count, max_counter=max_counter,
-        counter_peak=_peak(new['row_counter'], state.counter_peak), **new)
+        counter_peak=_peak(fused.stored_rows(new['row_counter']),
+                           state.counter_peak), **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

@@ -52,6 +52,11 @@ class ScaleByRowwiseRmspropArState(NamedTuple):
   prev_iter: optax.Updates  # int32 [num_rows]: the step of the last update
 
 
+fused.declare(ScaleByRowwiseRmspropArState, fused.RuleFacts(
+    'rowwise_rmsprop_ar',
+    ('nu', 'prev_iter'), 'LazyOptaxRowwiseRmspropAr', ('prev_iter',)))
+
+
 class RowwiseRmspropArKernelHyper(NamedTuple):
   """The kernel's hyperparameters: rows.cc's `ROWWISE_RMSPROP_AR_FIELDS`,
   in order (`step` is its int32 field)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, TYPE_CHECKING
+from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -15,9 +15,6 @@ from lazy_optax._src import row_ops
 from lazy_optax._src import validate
 from lazy_optax._src.distinct import distinct_rows  # noqa: F401  (lazy.py)
 from lazy_optax._src.id_code import index_dtype
-
-if TYPE_CHECKING:
-  from lazy_optax._src.row_context import FusedAdd
 
 
 _XLA = backend_lib.Backend('xla', "the rows' impl='xla'", False,
@@ -67,12 +64,11 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     Array([1., 1., 1., 1.], dtype=float32)
   """
 
-  __slots__ = ('_ids', 'values', 'num_rows', 'impl', '_fused')
+  __slots__ = ('_ids', 'values', 'num_rows', 'impl')
   _ids: id_code.RowIds
   values: jax.Array
   num_rows: int
   impl: str
-  _fused: Optional[FusedAdd]
 
   __array_ufunc__ = None  # numpy defers `ndarray + SparseRows` to __radd__
 
@@ -86,9 +82,8 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     self._fill(id_code.RowIds(given=ids), values, num_rows, _moves(impl))
 
   def _fill(self, ids: id_code.RowIds, values: Any, num_rows: int,
-            impl: str, fused: Optional[FusedAdd] = None) -> None:
-    for name, value in zip(self.__slots__,
-                           (ids, values, num_rows, impl, fused)):
+            impl: str) -> None:
+    for name, value in zip(self.__slots__, (ids, values, num_rows, impl)):
       object.__setattr__(self, name, value)
 
   @classmethod
@@ -99,22 +94,6 @@ class SparseRows(metaclass=validate.SparseRowsClass):
 
   def _with_values(self, values: Any) -> SparseRows:
     return self._made(self._ids, values, self.num_rows, self.impl)
-
-  def with_fused_add(self, fused: FusedAdd) -> SparseRows:
-    """The same update, added to `fused.table` by `fused.add` (one pass).
-
-    Args:
-      fused: how these rows add themselves to the table they were computed
-        from (`row_context.FusedAdd`); `add_to` uses it for that very array.
-        Scaling, tree arithmetic and pytree round trips drop it: it changes
-        no value (the plain scatter-add gives the same bits), only how
-        `add_to` computes it within the trace that made it.
-
-    Returns:
-      A `SparseRows` with the same ids and values.
-    """
-    return self._made(self._ids, self.values, self.num_rows, self.impl,
-                      fused)
 
   @classmethod
   def from_unique(cls, ids: jax.Array, values: jax.Array, num_rows: int, *,
@@ -202,9 +181,9 @@ class SparseRows(metaclass=validate.SparseRowsClass):
         f'SparseRows is immutable: build a new one instead of setting {name}.')
 
   # -- pytree protocol: leaves (code, values), aux (num_rows, impl) ---------
-  # Everything it carries but `_fused` (see `with_fused_add`) is a leaf or
-  # aux data, compared as it is: two `SparseRows` whose rows move
-  # differently have different tree structures.
+  # Everything it carries is a leaf or aux data, compared as it is: two
+  # `SparseRows` whose rows move differently have different tree
+  # structures.
   def _aux(self) -> tuple[int, str]:
     return self.num_rows, self.impl
 
@@ -282,11 +261,8 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     self.check(where)
     validate.same_shape(tuple(array.shape), self.shape, where)
     ids, seen = damage.gate(self.safe_ids(where), self.num_rows)
-    if self._fused is not None and array is self._fused.table:
-      added = self._fused.add(array, ids, self.values, self.backend)
-    else:
-      added = row_ops.add(array, ids, self.values.astype(array.dtype),
-                          self.backend)
+    added = row_ops.add(array, ids, self.values.astype(array.dtype),
+                        self.backend)
     return damage.note(added, array, seen)
 
   def astype(self, dtype: Any) -> SparseRows:
