@@ -156,6 +156,11 @@ class TableRows:
   """
 
   __slots__ = ('table', 'ids', 'backend', 'rule', 'name')
+  table: jax.Array
+  ids: jax.Array
+  backend: Backend
+  rule: str
+  name: str
 
   def __init__(self, table: jax.Array, ids: jax.Array, backend: Backend,
                rule: str, name: str) -> None:
@@ -361,8 +366,7 @@ def _per_shard(kernel: Callable[..., Any], where: Placement,
       out_specs=((table_spec,) * num_tables, P()))
 
 
-def narrowed(backend: Backend, impl: str, rule: str, name: str,
-             kernel: Callable[[], Backend] = lambda: None  # type: ignore
+def narrowed(backend: Backend, impl: str, kernel: Callable[[], Backend]
              ) -> Backend:
   """`backend` as an inner `impl=` narrows it: `'xla'` or `'generic'`
   replace a kernel, `'cpu_kernel'` asks `kernel()` for one (which raises
@@ -371,10 +375,8 @@ def narrowed(backend: Backend, impl: str, rule: str, name: str,
     return backend
   if impl == 'cpu_kernel':
     return kernel()._replace(row_kernels=backend.row_kernels)
-  if impl == 'xla' and backend.kind == 'generic':
-    return backend
-  return backend._replace(kind=impl, reason=f"{rule}(impl='{impl}') was "
-                          'asked for', row_kernels=False)
+  return backend._replace(kind=impl, reason=f"impl='{impl}' was asked for",
+                          row_kernels=False)
 
 
 def _kernel_or_raise(rule: RowRule, g: Any, given: dict[str, TableRows]
@@ -395,7 +397,7 @@ def _tabled(rule: RowRule, g: Any, given: dict[str, TableRows], params: Any,
         f'{rule.name} was handed the tables of {first.rule} '
         f'({sorted(given)}): its state type declares other facts than its '
         'RowRule.')
-  backend = narrowed(first.backend, impl, rule.name, first.name,
+  backend = narrowed(first.backend, impl,
                      lambda: _kernel_or_raise(rule, g, given))
   tables = {k: t.table for k, t in given.items()}
   ids = first.ids

@@ -475,9 +475,8 @@ def _narrow(state: Any, impl: str) -> Any:
     return state
   return jax.tree.map(
       lambda t: t.replace(t.table, fused.narrowed(
-          t.backend, impl, 'lazy', t.name,
-          lambda: _backend.decide(t.table, impl, subject='lazy',
-                                  name=t.name)))
+          t.backend, impl, lambda: _backend.decide(
+              t.table, impl, subject='lazy', name=t.name)))
       if isinstance(t, fused.TableRows) else t,
       state, is_leaf=fused.is_table_rows)
 
