@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+import optax
 
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import SparseRows
 
 
-def _add(path: Any, param: Any, update: Any) -> Any:
+def _add(path: jax.tree_util.KeyPath, param: Optional[ArrayLike],
+         update: ArrayLike | SparseRows) -> Optional[jax.Array]:
   if param is None:
     return None
   where = f'parameter {path_name(path)}'
@@ -26,7 +29,8 @@ def _add(path: Any, param: Any, update: Any) -> Any:
   return (param + update).astype(param.dtype)
 
 
-def apply_updates(params: Any, updates: Any) -> Any:
+def apply_updates(params: optax.Params,
+                  updates: optax.Updates) -> optax.Params:
   """Adds updates to parameters; a `SparseRows` update adds its rows only.
 
   Like `optax.apply_updates`, but shapes are checked (no silent broadcasting)

@@ -25,10 +25,12 @@ with XLA where it, a rule or the gradient asks for `'xla'`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+import numpy as np
 
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src.placement import Placement
@@ -42,6 +44,10 @@ KINDS = ('cpu_kernel', 'xla', 'generic')
 # ids, 1 thread (XLA path): rows of 64 floats 1.03 vs 1.60 ms with the rows
 # read back, 32 floats 0.53 vs 0.59 ms, 16 floats 0.42 vs 0.33 ms (slower).
 REGATHER_MIN_ROW_BYTES = 128
+
+# A table as the backend reads it: an array with a shape and a dtype (a
+# traced value is a `jax.Array`).
+Table = jax.Array | np.ndarray
 
 
 class Backend(NamedTuple):
@@ -61,7 +67,7 @@ class Backend(NamedTuple):
   where: Placement
 
 
-def row_bytes(x: Any) -> int:
+def row_bytes(x: Table) -> int:
   """Bytes of one row of `x` (its entries after the first dimension)."""
   size = jnp.dtype(x.dtype).itemsize
   for d in x.shape[1:]:
@@ -75,7 +81,7 @@ def row_kernels_allowed(where: Placement) -> bool:
           and where.platform in (None, 'cpu'))
 
 
-def placement_refusal(table: Any, where: Placement) -> str:
+def placement_refusal(table: Table, where: Placement) -> str:
   """Why no CPU kernel can update `table` where it lives ('' if one can)."""
   status = cpu_kernels.status()
   if status is None:
@@ -104,7 +110,7 @@ def placement_refusal(table: Any, where: Placement) -> str:
   return ''
 
 
-def _default_device() -> Any:
+def _default_device() -> Optional[jax.Device | str]:
   """`jax.config.jax_default_device`: a device, a platform name or None."""
   # Read by name: jax's type stubs of `jax.config` list no option.
   return getattr(jax.config, 'jax_default_device', None)
@@ -159,7 +165,7 @@ def _kernel_reason(impl: str, where: Placement) -> str:
   return reason
 
 
-def without_kernel(table: Any, where: Placement, why: str) -> Backend:
+def without_kernel(table: Table, where: Placement, why: str) -> Backend:
   """The XLA backend of a table no kernel updates: 'xla' or 'generic'."""
   kind = ('xla' if where.kind in ('one', 'explicit') and not where.row_axes
           and row_bytes(table) >= REGATHER_MIN_ROW_BYTES else 'generic')
@@ -167,7 +173,7 @@ def without_kernel(table: Any, where: Placement, why: str) -> Backend:
                  where)
 
 
-def decide(table: Any, impl: str, *, refusal: str = '',
+def decide(table: Table, impl: str, *, refusal: str = '',
            subject: str = 'lazy', name: str = '') -> Backend:
   """The backend of `table` for `impl`, where it lives.
 
@@ -201,7 +207,7 @@ def decide(table: Any, impl: str, *, refusal: str = '',
                  row_kernels_allowed(where), where)
 
 
-def for_array(x: Any, impl: str = 'auto') -> Backend:
+def for_array(x: ArrayLike, impl: str = 'auto') -> Backend:
   """The row moves of an array outside `lazy(...)`'s decision, for `impl`."""
   where = placement(x)
   kernels = impl in ('auto', 'cpu_kernel') and row_kernels_allowed(where)

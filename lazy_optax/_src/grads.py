@@ -33,11 +33,15 @@ the transformation).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Hashable
+from typing import Callable, Literal, Optional, overload, Sequence, TypeVar
 import weakref
 
 import jax
+from jax.extend.core import ClosedJaxpr
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+import optax
 
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import row_ops
@@ -52,6 +56,10 @@ from lazy_optax._src.row_reads import Recorder
 from lazy_optax._src.row_reads import recording
 from lazy_optax._src.sparse_rows import SparseRows
 
+_Aux = TypeVar('_Aux')
+# The loss function as `value_and_grad` calls it: `params` to `(loss, aux)`.
+_Call = Callable[[optax.Params], tuple[ArrayLike, object]]
+
 _TOP_LEVEL = (
     'row-sparse gradients need the lookups at the top level of the loss given '
     'to lazy_optax.value_and_grad, not inside jax.lax.scan, jax.vmap, '
@@ -65,11 +73,11 @@ _TOP_LEVEL = (
 class _Probe(Recorder):
   """Step 1: records the shapes of the lookups (traced, never run)."""
 
-  def __init__(self, tables: dict[int, Any], names: Sequence[str]):
+  def __init__(self, tables: dict[int, ArrayLike], names: Sequence[str]):
     super().__init__(tables, names)
     self.rows: dict[int, list[jax.ShapeDtypeStruct]] = {}
     # The mesh axes each lookup's rows vary over inside `jax.shard_map`.
-    self.varying: dict[int, list[tuple[Any, ...]]] = {}
+    self.varying: dict[int, list[tuple[Hashable, ...]]] = {}
     self.foreign_shapes: set[tuple[int, ...]] = set()
 
   def take(self, table, ids, active, dtype):
@@ -94,8 +102,8 @@ class _Probe(Recorder):
 class _Differentiate(Recorder):
   """Step 3: adds the perturbations and records the ids of the gradient."""
 
-  def __init__(self, tables: dict[int, Any], names: Sequence[str],
-               perturbations: dict[int, list[Any]], impl: str = 'auto'):
+  def __init__(self, tables: dict[int, ArrayLike], names: Sequence[str],
+               perturbations: dict[int, list[jax.Array]], impl: str = 'auto'):
     super().__init__(tables, names)
     self.impl = impl  # the row reads' backend (`backend.for_array`)
     self.pending = {pos: list(p) for pos, p in perturbations.items()}
@@ -141,7 +149,7 @@ class _Differentiate(Recorder):
     return out
 
 
-def _is_table(leaf: Any) -> bool:
+def _is_table(leaf: object) -> bool:
   return (hasattr(leaf, 'shape') and hasattr(leaf, 'dtype')
           and len(leaf.shape) >= 1
           and jnp.issubdtype(leaf.dtype, jnp.inexact))
@@ -152,7 +160,7 @@ def _matches(name: str, wanted: str) -> bool:
   return name == wanted or name.endswith('/' + wanted)
 
 
-def _unused_inputs(jaxpr: Any) -> list[bool]:
+def _unused_inputs(jaxpr: ClosedJaxpr) -> list[bool]:
   """For each input of a closed jaxpr, whether no equation or output uses it."""
   used: set[int] = set()
   for eqn in jaxpr.jaxpr.eqns:
@@ -164,20 +172,20 @@ def _unused_inputs(jaxpr: Any) -> list[bool]:
 class _Params:
   """The flattened parameters of one call, with their path names."""
 
-  def __init__(self, params: Any):
+  def __init__(self, params: optax.Params):
     flat, self.treedef = jax.tree_util.tree_flatten_with_path(params)
     self.leaves = [leaf for _, leaf in flat]
     self.names = [path_name(path) for path, _ in flat]
 
   def with_values(self, positions: Sequence[int],
-                  values: Sequence[Any]) -> Any:
+                  values: Sequence[ArrayLike]) -> optax.Params:
     full = list(self.leaves)
     for i, v in zip(positions, values):
       full[i] = v
     return jax.tree_util.tree_unflatten(self.treedef, full)
 
 
-def _probe(call: Callable[..., Any], params: _Params,
+def _probe(call: _Call, params: _Params,
            candidates: list[int]) -> tuple[_Probe, list[bool]]:
   """Step 1: the lookups' shapes, and which candidates reach the loss."""
   probe = _Probe({}, params.names)
@@ -230,10 +238,10 @@ def _classify(probe: _Probe, unused: list[bool], params: _Params,
 # The tables `value_and_grad` gave a `SparseRows` gradient, by identity of
 # the parameter it was given (an array, or a tracer of the step's trace),
 # held weakly: `lazy(...)` refuses a dense gradient for one of them.
-_ROW_SPARSE: dict[int, Any] = {}
+_ROW_SPARSE: dict[int, weakref.ref[object]] = {}
 
 
-def _mark_row_sparse(table: Any) -> None:
+def _mark_row_sparse(table: object) -> None:
   key = id(table)
   try:
     _ROW_SPARSE[key] = weakref.ref(table,
@@ -242,7 +250,7 @@ def _mark_row_sparse(table: Any) -> None:
     pass
 
 
-def had_row_sparse_gradient(table: Any) -> bool:
+def had_row_sparse_gradient(table: object) -> bool:
   """Whether `value_and_grad` gave this very parameter a `SparseRows`
   gradient (its lookups read it)."""
   ref = _ROW_SPARSE.get(id(table))
@@ -258,7 +266,8 @@ def _sparse_rows(ids: jax.Array, values: jax.Array,
   return SparseRows.from_unique(ids, values, num_rows, impl=impl)
 
 
-def _zeros(struct: jax.ShapeDtypeStruct, axes: tuple[Any, ...]) -> jax.Array:
+def _zeros(struct: jax.ShapeDtypeStruct,
+           axes: tuple[Hashable, ...]) -> jax.Array:
   zeros = jnp.zeros(struct.shape, struct.dtype)
   if not axes:
     return zeros
@@ -268,9 +277,9 @@ def _zeros(struct: jax.ShapeDtypeStruct, axes: tuple[Any, ...]) -> jax.Array:
   return pcast(zeros, axes, to='varying')
 
 
-def _differentiate(call: Callable[..., Any], params: _Params,
-                   sparse: list[int], probe: _Probe,
-                   impl: str) -> tuple[Any, Any, Any]:
+def _differentiate(call: _Call, params: _Params, sparse: list[int],
+                   probe: _Probe,
+                   impl: str) -> tuple[jax.Array, object, optax.Updates]:
   """Step 3: loss, aux and gradients, row-sparse for the `sparse` tables."""
   dense = [i for i in range(len(params.leaves)) if i not in sparse]
   # Inside `jax.shard_map` the perturbations vary over the mesh axes that
@@ -299,7 +308,7 @@ def _differentiate(call: Callable[..., Any], params: _Params,
   (loss, (aux, ids, reads)), (g_dense, g_rows) = jax.value_and_grad(
       grad_fn, argnums=(0, 1), has_aux=True)(
           [params.leaves[i] for i in dense], zeros)
-  grads: list[Any] = [None] * len(params.leaves)
+  grads: list[Optional[jax.Array | SparseRows]] = [None] * len(params.leaves)
   for i, g in zip(dense, g_dense):
     grads[i] = g
   for i in sparse:
@@ -317,13 +326,35 @@ def _differentiate(call: Callable[..., Any], params: _Params,
   return loss, aux, jax.tree_util.tree_unflatten(params.treedef, grads)
 
 
+@overload
 def value_and_grad(
-    fun: Callable[..., Any],
+    fun: Callable[..., ArrayLike], *, has_aux: Literal[False] = False,
+    tables: Optional[Sequence[str]] = None, impl: str = 'auto',
+) -> Callable[..., tuple[jax.Array, optax.Updates]]: ...
+
+
+@overload
+def value_and_grad(
+    fun: Callable[..., tuple[ArrayLike, _Aux]], *, has_aux: Literal[True],
+    tables: Optional[Sequence[str]] = None, impl: str = 'auto',
+) -> Callable[..., tuple[tuple[jax.Array, _Aux], optax.Updates]]: ...
+
+
+@overload
+def value_and_grad(
+    fun: Callable[..., object], *, has_aux: bool,
+    tables: Optional[Sequence[str]] = None, impl: str = 'auto',
+) -> Callable[..., tuple[jax.Array | tuple[jax.Array, object],
+                         optax.Updates]]: ...
+
+
+def value_and_grad(
+    fun: Callable[..., object],
     *,
     has_aux: bool = False,
     tables: Optional[Sequence[str]] = None,
     impl: str = 'auto',
-) -> Callable[..., Any]:
+) -> Callable[..., tuple[object, optax.Updates]]:
   """Like `jax.value_and_grad`, with row-sparse gradients for looked-up tables.
 
   `fun(params, *args, **kwargs)` returns a scalar loss (and an auxiliary

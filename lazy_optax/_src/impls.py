@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import jax
 import optax
@@ -61,11 +61,11 @@ def kernel_status() -> dict[str, ImplStatus]:
 
 
 def explain_update(
-    tx: Any,
-    grads: Any,
-    opt_state: Any,
-    params: Optional[Any] = None,
-    **extra_args: Any,
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: Optional[optax.Params] = None,
+    **extra_args: object,
 ) -> dict[str, row_context.Choice]:
   """Which implementation updates each row-sparse parameter, and why.
 

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import cast, Mapping, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 import optax
 
 from lazy_optax._src import branching
@@ -41,27 +42,31 @@ class MultiStepsState(NamedTuple):
   """
   mini_step: jax.Array
   gradient_step: jax.Array
-  inner_state: Any
-  acc: Any
+  inner_state: optax.OptState
+  acc: optax.Updates
 
 
-def _is_leaf(x: Any) -> bool:
+def _is_leaf(x: object) -> bool:
   """Where the tree maps stop: at `None`, a `SparseRows` or a `RowBuffer`."""
   return x is None or is_sparse_rows(x) or isinstance(x, RowBuffer)
 
 
-def _emptied(acc: Any, grad: Any, emit: jax.Array) -> Any:
+def _emptied(acc: Optional[jax.Array | RowBuffer],
+             grad: Optional[ArrayLike | SparseRows],
+             emit: jax.Array) -> Optional[jax.Array | RowBuffer]:
   """`acc` as it is, or, on an update step, with nothing accumulated."""
   if acc is None:
     return None
   if isinstance(acc, RowBuffer):
+    # A `RowBuffer`'s gradient is a `SparseRows`: `_add_rows` checked it.
+    num_rows = cast(SparseRows, grad).num_rows
     return RowBuffer(
-        jnp.where(emit, jnp.asarray(grad.num_rows, acc.ids.dtype), acc.ids),
+        jnp.where(emit, jnp.asarray(num_rows, acc.ids.dtype), acc.ids),
         jnp.where(emit, jnp.zeros_like(acc.values), acc.values))
   return jnp.where(emit, jnp.zeros_like(acc), acc)
 
 
-def _empty_buffer(param: Any, n: int, every_k: int) -> RowBuffer:
+def _empty_buffer(param: ArrayLike, n: int, every_k: int) -> RowBuffer:
   """A `RowBuffer` of `every_k * n` unfilled slots for the table `param`."""
   num_rows = int(jnp.shape(param)[0])
   ids = jnp.full((every_k * n,), num_rows, index_dtype(num_rows))
@@ -70,8 +75,8 @@ def _empty_buffer(param: Any, n: int, every_k: int) -> RowBuffer:
   return RowBuffer(ids, values)
 
 
-def _empty_acc(params: Any, ids_per_step: Mapping[str, int],
-               every_k: int) -> Any:
+def _empty_acc(params: optax.Params, ids_per_step: Mapping[str, int],
+               every_k: int) -> optax.Updates:
   """The accumulators of `params`, all empty: a `RowBuffer` per table.
 
   Raises:
@@ -100,7 +105,7 @@ def _empty_acc(params: Any, ids_per_step: Mapping[str, int],
   return acc
 
 
-def _init(inner: optax.GradientTransformationExtraArgs, params: Any,
+def _init(inner: optax.GradientTransformationExtraArgs, params: optax.Params,
           ids_per_step: Mapping[str, int], every_k: int) -> MultiStepsState:
   """The state before the first step: empty accumulators, no update made."""
   acc = _empty_acc(params, ids_per_step, every_k)
@@ -108,7 +113,8 @@ def _init(inner: optax.GradientTransformationExtraArgs, params: Any,
                          inner.init(params), acc)
 
 
-def _add_dense(path: Any, acc: jax.Array, g: Any, scale: float) -> jax.Array:
+def _add_dense(path: jax.tree_util.KeyPath, acc: jax.Array,
+               g: ArrayLike | SparseRows, scale: float) -> jax.Array:
   """A dense parameter's accumulator `acc` plus its gradient `g`, scaled."""
   if isinstance(g, SparseRows):
     name = path_name(path)
@@ -120,8 +126,9 @@ def _add_dense(path: Any, acc: jax.Array, g: Any, scale: float) -> jax.Array:
   return acc + jnp.asarray(g) * scale
 
 
-def _add_rows(path: Any, buf: RowBuffer, g: Any, slot: jax.Array,
-              every_k: int, scale: float) -> RowBuffer:
+def _add_rows(path: jax.tree_util.KeyPath, buf: RowBuffer,
+              g: ArrayLike | SparseRows, slot: jax.Array, every_k: int,
+              scale: float) -> RowBuffer:
   """A table's `buf` with its `SparseRows` gradient `g`, scaled, in `slot`.
 
   Slot `slot` (the step's index in its window) holds the buffer's rows
@@ -145,8 +152,8 @@ def _add_rows(path: Any, buf: RowBuffer, g: Any, slot: jax.Array,
   return RowBuffer(ids, values)
 
 
-def _added(acc: Any, updates: Any, slot: jax.Array, every_k: int,
-           use_grad_mean: bool) -> Any:
+def _added(acc: optax.Updates, updates: optax.Updates, slot: jax.Array,
+           every_k: int, use_grad_mean: bool) -> optax.Updates:
   """The accumulators `acc` with one step's gradients `updates` added.
 
   Each gradient is scaled by `1 / every_k` if `use_grad_mean`, so that the
@@ -164,7 +171,8 @@ def _added(acc: Any, updates: Any, slot: jax.Array, every_k: int,
   return jax.tree_util.tree_map_with_path(add, acc, updates, is_leaf=_is_leaf)
 
 
-def _accumulated_grads(acc: Any, updates: Any) -> Any:
+def _accumulated_grads(acc: optax.Updates,
+                       updates: optax.Updates) -> optax.Updates:
   """The gradients `tx` gets: `acc`, with a `SparseRows` per `RowBuffer`.
 
   A buffer holds its slots as written, repeated ids included: `tx` sums
@@ -176,7 +184,7 @@ def _accumulated_grads(acc: Any, updates: Any) -> Any:
       if isinstance(a, RowBuffer) else a, acc, updates, is_leaf=_is_leaf)
 
 
-def _params_like(acc: Any, updates: Any) -> Any:
+def _params_like(acc: optax.Updates, updates: optax.Updates) -> optax.Params:
   """Shape structs of the parameters, read from `acc` and the gradients (a
   table's leading size is its gradient's `num_rows`)."""
 
@@ -191,8 +199,9 @@ def _params_like(acc: Any, updates: Any) -> Any:
   return jax.tree.map(struct, acc, updates, is_leaf=_is_leaf)
 
 
-def _table_leaves(inner: optax.GradientTransformationExtraArgs, acc: Any,
-                  updates: Any, inner_state: Any
+def _table_leaves(inner: optax.GradientTransformationExtraArgs,
+                  acc: optax.Updates, updates: optax.Updates,
+                  inner_state: optax.OptState
                   ) -> Optional[tuple[list[bool], set[str]]]:
   """Which leaves of `tx`'s state hold one row per table row, and the path
   names of the tables they belong to (`row_state.row_owners`, as `lazy`
@@ -218,9 +227,10 @@ def _table_leaves(inner: optax.GradientTransformationExtraArgs, acc: Any,
           {names[o] for o in owners if o is not None})
 
 
-def _lazy_choices(inner: optax.GradientTransformationExtraArgs, acc: Any,
-                  updates: Any, inner_state: Any, params: Any,
-                  extra_args: Mapping[str, Any]
+def _lazy_choices(inner: optax.GradientTransformationExtraArgs,
+                  acc: optax.Updates, updates: optax.Updates,
+                  inner_state: optax.OptState, params: Optional[optax.Params],
+                  extra_args: Mapping[str, object]
                   ) -> dict[str, row_context.Choice]:
   """What each `lazy(...)` inside `tx` chooses for its tables, by
   parameter (traced abstractly, as `explain_update` does; never
@@ -233,7 +243,7 @@ def _lazy_choices(inner: optax.GradientTransformationExtraArgs, acc: Any,
   return {choice.parameter: choice for choice in log}
 
 
-def _select(emit: jax.Array, new: Any, old: Any) -> Any:
+def _select(emit: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
   """`new` if `emit`, else `old` (key arrays through their data)."""
   if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
     return jax.random.wrap_key_data(
@@ -242,7 +252,7 @@ def _select(emit: jax.Array, new: Any, old: Any) -> Any:
   return jnp.where(emit, new, old)
 
 
-def _zeros_of(x: Any) -> Any:
+def _zeros_of(x: jax.Array) -> jax.Array:
   """Zeros shaped as `x` (a key array's data zeroed)."""
   if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
     return jax.random.wrap_key_data(
@@ -251,8 +261,10 @@ def _zeros_of(x: Any) -> Any:
 
 
 def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
-               acc: Any, updates: Any, inner_state: Any, params: Any,
-               extra_args: Mapping[str, Any]) -> tuple[Any, Any]:
+               acc: optax.Updates, updates: optax.Updates,
+               inner_state: optax.OptState, params: Optional[optax.Params],
+               extra_args: Mapping[str, object]
+               ) -> tuple[optax.Updates, optax.OptState]:
   """`tx`'s updates and state if `emit`, else zero updates and `inner_state`.
 
   `tx` updates with the accumulated gradients `acc`; `updates`, the step's
@@ -325,9 +337,10 @@ def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
 
 
 def _update(inner: optax.GradientTransformationExtraArgs, every_k: int,
-            use_grad_mean: bool, updates: Any, state: MultiStepsState,
-            params: Any, extra_args: Mapping[str, Any]
-            ) -> tuple[Any, MultiStepsState]:
+            use_grad_mean: bool, updates: optax.Updates,
+            state: MultiStepsState, params: Optional[optax.Params],
+            extra_args: Mapping[str, object]
+            ) -> tuple[optax.Updates, MultiStepsState]:
   """One step: adds `updates`; every `every_k`-th step, updates with `tx`.
 
   Returns `tx`'s updates and empties the accumulators on the step that ends

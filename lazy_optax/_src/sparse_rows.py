@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import overload, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
 
 from lazy_optax._src import backend as backend_lib
 from lazy_optax._src import damage
@@ -15,7 +17,6 @@ from lazy_optax._src import row_ops
 from lazy_optax._src import validate
 from lazy_optax._src.distinct import distinct_rows  # noqa: F401  (lazy.py)
 from lazy_optax._src.id_code import index_dtype
-
 
 _XLA = backend_lib.Backend('xla', "the rows' impl='xla'", False,
                            backend_lib.Placement('one'))
@@ -72,27 +73,38 @@ class SparseRows(metaclass=validate.SparseRowsClass):
 
   __array_ufunc__ = None  # numpy defers `ndarray + SparseRows` to __radd__
 
-  def __init__(self, ids: Any = validate.MISSING,
-               values: Any = validate.MISSING, num_rows: Any = validate.MISSING,
-               *, indices: Any = validate.MISSING, impl: str = 'auto'):
-    ids, values, num_rows = validate.sparse_rows_arguments(
-        ids, values, num_rows, indices, impl)
-    ids, values = _distinct.from_ids(ids.astype(index_dtype(num_rows)), values,
-                                    num_rows, impl)
-    self._fill(id_code.RowIds(given=ids), values, num_rows, _moves(impl))
+  @overload
+  def __init__(self, ids: ArrayLike, values: ArrayLike, num_rows: int, *,
+               impl: str = 'auto') -> None: ...
 
-  def _fill(self, ids: id_code.RowIds, values: Any, num_rows: int,
+  @overload  # `indices`: the deprecated name of `ids`
+  def __init__(self, *, values: ArrayLike, num_rows: int, indices: ArrayLike,
+               impl: str = 'auto') -> None: ...
+
+  # `validate.MISSING` marks an argument not given: `validate` checks them.
+  def __init__(self, ids: object = validate.MISSING,
+               values: object = validate.MISSING,
+               num_rows: object = validate.MISSING, *,
+               indices: object = validate.MISSING, impl: str = 'auto'):
+    checked, rows, size = validate.sparse_rows_arguments(
+        ids, values, num_rows, indices, impl)
+    kept, summed = _distinct.from_ids(checked.astype(index_dtype(size)), rows,
+                                      size, impl)
+    self._fill(id_code.RowIds(given=kept), summed, size, _moves(impl))
+
+  def _fill(self, ids: id_code.RowIds, values: jax.Array, num_rows: int,
             impl: str) -> None:
     for name, value in zip(self.__slots__, (ids, values, num_rows, impl)):
       object.__setattr__(self, name, value)
 
   @classmethod
-  def _made(cls, *fields: Any) -> SparseRows:
+  def _made(cls, ids: id_code.RowIds, values: jax.Array, num_rows: int,
+            impl: str) -> SparseRows:
     obj = object.__new__(cls)
-    obj._fill(*fields)
+    obj._fill(ids, values, num_rows, impl)
     return obj
 
-  def _with_values(self, values: Any) -> SparseRows:
+  def _with_values(self, values: jax.Array) -> SparseRows:
     return self._made(self._ids, values, self.num_rows, self.impl)
 
   @classmethod
@@ -176,7 +188,7 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     """The ids, and per entry whether it is intact and whether it is empty."""
     return self._ids.decoded(self.num_rows)
 
-  def __setattr__(self, name: str, value: Any) -> None:
+  def __setattr__(self, name: str, value: object) -> None:
     raise AttributeError(
         f'SparseRows is immutable: build a new one instead of setting {name}.')
 
@@ -247,7 +259,8 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     dense = jnp.zeros(self.shape, self.dtype)
     return dense.at[self.safe_ids()].add(self.values, mode='drop')
 
-  def add_to(self, array: Any, where: str = 'a SparseRows') -> jax.Array:
+  def add_to(self, array: ArrayLike,
+             where: str = 'a SparseRows') -> jax.Array:
     """`array` (of `self.shape`) with the rows added, in its dtype.
 
     Args:
@@ -265,11 +278,12 @@ class SparseRows(metaclass=validate.SparseRowsClass):
                         self.backend)
     return damage.note(added, array, seen)
 
-  def astype(self, dtype: Any) -> SparseRows:
+  def astype(self, dtype: DTypeLike) -> SparseRows:
     """The same rows with values cast to `dtype` (the ids unchanged)."""
     return self._with_values(self.values.astype(dtype))
 
-  def _scaled(self, factor: Any, divide: bool = False) -> Any:
+  def _scaled(self, factor: ArrayLike | SparseRows,
+              divide: bool = False) -> SparseRows:
     if isinstance(factor, SparseRows) or jnp.ndim(factor) != 0:
       return NotImplemented
     return self._with_values(self.values / factor if divide
@@ -291,6 +305,6 @@ class SparseRows(metaclass=validate.SparseRowsClass):
   __radd__ = add_to
 
 
-def is_sparse_rows(x: Any) -> bool:
+def is_sparse_rows(x: object) -> bool:
   """Whether `x` is a `SparseRows` (use as `is_leaf` in `jax.tree.map`)."""
   return isinstance(x, SparseRows)
