@@ -21,7 +21,7 @@ The ids are checked by one validator, `check_ids`, in every entry point.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -41,7 +41,7 @@ def where_of(caller: str, path: Optional[str]) -> str:
   return f'{caller} of table {path}' if path else caller
 
 
-def check_ids(ids: ArrayLike, where: str,
+def check_ids(ids: ArrayLike | Sequence[int], where: str,
               num_rows: Optional[int] = None) -> jax.Array:
   """The lookup ids as an array; they must have an integer dtype.
 
@@ -149,7 +149,7 @@ def not_padding(ids: jax.Array, padding_id: Optional[int],
   return ids != int(padding_id)
 
 
-def lookup_rows(table: ArrayLike, ids: ArrayLike, *,
+def lookup_rows(table: ArrayLike, ids: ArrayLike | Sequence[int], *,
                 dtype: Optional[DTypeLike] = None,
                 padding_id: Optional[int] = None,
                 path: Optional[str] = None,
@@ -319,7 +319,7 @@ def _weighted_pool(rows: jax.Array, slot: jax.Array, member: jax.Array,
       total.dtype)
 
 
-def bag_rows(table: ArrayLike, ids: ArrayLike, *,
+def bag_rows(table: ArrayLike, ids: ArrayLike | Sequence[int], *,
              mask: Optional[ArrayLike] = None,
              lengths: Optional[ArrayLike] = None, mode: str = 'mean',
              per_sample_weights: Optional[ArrayLike] = None,

@@ -203,7 +203,8 @@ def indices_in_range(ids: object, num_rows: int, where: str) -> None:
         id=int(host[bad[0]]), position=int(bad[0]), count=bad.size))
 
 
-def ids_fit_jax(ids: ArrayLike, num_rows: int, where: str) -> None:
+def ids_fit_jax(ids: ArrayLike | Sequence[int], num_rows: int,
+                where: str) -> None:
   """Concrete host ids must survive the cast to JAX's integer dtype.
 
   Without `jax_enable_x64`, `jnp.asarray` cuts NumPy int64 ids to int32
