@@ -165,8 +165,8 @@ def assign_pair(args) -> dict:
   same = all(bool(jnp.array_equal(x, y)) for x, y in zip(
       jax.tree.leaves(a), jax.tree.leaves(b)))
   print(f'  id states equal after {args.rounds * args.steps} steps: {same}')
-  return report('assign: the hashed step (1 thread per --threads)', times,
-                'C++ assign', 'XLA assign')
+  return report(f'assign: the hashed step ({args.threads} thread(s))',
+                times, 'C++ assign', 'XLA assign')
 
 
 def single_table_pair(args, title: str, make_tx, module_name: str,
