@@ -406,7 +406,8 @@ class IdTable:
     for name in names:
       devices *= mesh.shape[name]
 
-    # An IdTableState of shardings where the state has arrays: `Any`.
+    # Untyped (`Any`): the IdTableState built here holds shardings in fields
+    # typed as arrays.
     def spec(*parts: Union[None, str, tuple[str, ...]]) -> Any:
       return jax.sharding.NamedSharding(mesh, P(*parts))
 
@@ -643,6 +644,7 @@ class IdTable:
       # Under an Explicit mesh the claims run with the mesh's axes made
       # Auto (XLA partitions the gathers and scatters as for any step); the
       # state keeps its shardings, the batch-sized outputs are replicated.
+      # `Any`: a sharding where FreshRows has arrays (out_sharding below).
       whole: Any = jax.sharding.NamedSharding(mesh,
                                               jax.sharding.PartitionSpec())
       specs = jax.tree.map(lambda x: jax.typeof(x).sharding, state)
