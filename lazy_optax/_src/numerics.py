@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, Optional, Union
 
+import chex
 import jax
 import jax.numpy as jnp
+import optax
+
+# `optax.adamw`'s `mask`: a tree of bools like the parameters, or a function
+# of the parameters giving one.
+Mask = Union[chex.ArrayTree, Callable[[optax.Params], chex.ArrayTree]]
 
 
 def broadcast_rows(per_row: jax.Array, like: jax.Array) -> jax.Array:
@@ -89,7 +95,8 @@ def is_zero(x: Any) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
 
 
-def mask_leaves(mask: Any, params: Any, treedef: Any) -> list[Any]:
+def mask_leaves(mask: Optional[Mask], params: optax.Params,
+                treedef: jax.tree_util.PyTreeDef) -> list[bool]:
   """`optax.adamw`'s `mask` (a tree of bools, a callable or None), flattened
   along `treedef`: one bool per leaf."""
   if mask is None:
