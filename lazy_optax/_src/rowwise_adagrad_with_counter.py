@@ -261,10 +261,9 @@ def _rule(cfg: _Config) -> fused.RowRule:
       split_params=cfg.decay_mode in ('decoupled', 'adagradw'))
 
 
-def _check(learning_rate, eps, weight_decay, counter_weight_decay_mode,
+def _check(fn, eps, weight_decay, counter_weight_decay_mode,
            learning_rate_mode, counter_halflife, adjustment_ub,
            tail_id_threshold, max_counter_update_freq, impl):
-  fn = 'rowwise_adagrad_with_counter'
   if counter_weight_decay_mode not in COUNTER_WEIGHT_DECAY_MODES:
     raise ValueError(
         f'{fn}: counter_weight_decay_mode must be one of '
@@ -286,7 +285,6 @@ def _check(learning_rate, eps, weight_decay, counter_weight_decay_mode,
         f'{fn}: weight_decay={weight_decay!r} has no effect with '
         "counter_weight_decay_mode='none': pass 'l2', 'decoupled' or "
         "'adagradw'.")
-  del learning_rate
   fused.check_impl(impl, fn)
 
 
@@ -431,9 +429,9 @@ def rowwise_adagrad_with_counter(
     >>> state.row_counter['table'][jnp.array([3, 4, 7])]
     Array([1., 0., 1.], dtype=float32)
   """
-  _check(learning_rate, eps, weight_decay, counter_weight_decay_mode,
-         learning_rate_mode, counter_halflife, adjustment_ub,
-         tail_id_threshold, max_counter_update_freq, impl)
+  _check('rowwise_adagrad_with_counter', eps, weight_decay,
+         counter_weight_decay_mode, learning_rate_mode, counter_halflife,
+         adjustment_ub, tail_id_threshold, max_counter_update_freq, impl)
   cfg = _Config(eps=eps, decay_mode=counter_weight_decay_mode,
                 halflife=counter_halflife, adjustment_iter=adjustment_iter,
                 adjustment_ub=adjustment_ub, lr_mode=learning_rate_mode,
@@ -441,3 +439,94 @@ def rowwise_adagrad_with_counter(
                 threshold_is_ratio=tail_id_threshold_is_ratio)
   return lazy(_transform(learning_rate, cfg, weight_decay, mask,
                          accumulator_dtype, max_counter_update_freq, impl))
+
+
+def scale_by_rowwise_adagrad_with_counter(
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    counter_weight_decay_mode: str = 'none',
+    mask: Optional[Mask] = None,
+    *,
+    counter_halflife: int = -1,
+    adjustment_iter: int = -1,
+    adjustment_ub: float = 1.0,
+    learning_rate_mode: str = 'equal',
+    tail_id_threshold: float = 0.0,
+    tail_id_threshold_is_ratio: bool = False,
+    max_counter_update_freq: int = 1000,
+    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
+    impl: str = 'auto',
+) -> optax.GradientTransformationExtraArgs:
+  """Rescales updates by row-wise Adagrad with per-row counters (no lr).
+
+  The rule of `rowwise_adagrad_with_counter` (module docstring) without the
+  learning rate: chained with `optax.scale_by_learning_rate(lr)` inside
+  `lazy(...)` it gives the same parameters as
+  `rowwise_adagrad_with_counter(lr, ...)` (its state sits in the chain's
+  first slot). Every mode but `'adagradw'` has an update linear in the
+  learning rate (`-lr` times a direction that does not depend on it), which
+  is what this returns; `'adagradw'` decays a row by `(1 - wd lr)^k`, so it
+  has no rate-free form and is refused here.
+
+  Args:
+    eps: added to `sqrt(G_r)`.
+    weight_decay: the decay rate, used as `counter_weight_decay_mode` says.
+    counter_weight_decay_mode: `'none'`, `'l2'` or `'decoupled'`.
+    mask: as in `optax.adamw`: which parameters decay.
+    counter_halflife: `> 0`: the counter decays with this half-life in
+      steps; `0`: it is 1 once seen; `< 0`: it counts appearances.
+    adjustment_iter: no adjustment or decay until the step exceeds it.
+    adjustment_ub: the exponent (tail modes) or factor (`'counter_sgd'`) of
+      the learning-rate adjustment.
+    learning_rate_mode: `'equal'`, `'tail_id_lr_increase'`,
+      `'tail_id_lr_decrease'` or `'counter_sgd'`.
+    tail_id_threshold: rows whose counter exceeds it are adjusted.
+    tail_id_threshold_is_ratio: the threshold is
+      `floor(tail_id_threshold * max_counter)`.
+    max_counter_update_freq: every this many steps, `max_counter` becomes
+      one plus the largest counter.
+    accumulator_dtype: dtype of `G` (default float32).
+    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'`.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with state
+    `ScaleByRowwiseAdagradWithCounterState`; its `update` needs `params`
+    in the `'l2'` and `'decoupled'` modes.
+
+  Raises:
+    ValueError: for `'adagradw'`, an unknown mode, a negative rate, a
+      non-integer half-life, or a non-zero `weight_decay` with mode
+      `'none'`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import lazy_optax
+    >>> tx = lazy_optax.lazy(optax.chain(
+    ...     lazy_optax.scale_by_rowwise_adagrad_with_counter(),
+    ...     optax.scale_by_learning_rate(0.1)))
+    >>> params = {'table': jnp.zeros((100, 4))}
+    >>> g = {'table': lazy_optax.SparseRows(jnp.array([3]), jnp.ones((1, 4)),
+    ...                                     100)}
+    >>> u, state = tx.update(g, tx.init(params), params)
+    >>> lazy_optax.apply_updates(params, u)['table'][3]
+    Array([-0.1, -0.1, -0.1, -0.1], dtype=float32)
+  """
+  fn = 'scale_by_rowwise_adagrad_with_counter'
+  if counter_weight_decay_mode == 'adagradw':
+    raise ValueError(
+        f"{fn}: counter_weight_decay_mode='adagradw' decays a row by "
+        '(1 - weight_decay * lr)^k, not linearly in the learning rate, so '
+        'it has no form without one: use rowwise_adagrad_with_counter('
+        'learning_rate, ...).')
+  _check(fn, eps, weight_decay, counter_weight_decay_mode,
+         learning_rate_mode, counter_halflife, adjustment_ub,
+         tail_id_threshold, max_counter_update_freq, impl)
+  cfg = _Config(eps=eps, decay_mode=counter_weight_decay_mode,
+                halflife=counter_halflife, adjustment_iter=adjustment_iter,
+                adjustment_ub=adjustment_ub, lr_mode=learning_rate_mode,
+                tail_id_threshold=tail_id_threshold,
+                threshold_is_ratio=tail_id_threshold_is_ratio)
+  # Linear in the learning rate: the rule at rate -1 is the direction that
+  # `optax.scale_by_learning_rate(lr)` (a factor of -lr) makes the update.
+  return lazy(_transform(-1.0, cfg, weight_decay, mask, accumulator_dtype,
+                         max_counter_update_freq, impl))

@@ -163,7 +163,10 @@ def rowwise_rmsprop_ar(
   `max(min_shrinkage, 1 - clip(lr ar_alpha I, 0, 1))`, `I` the steps since
   its last update, and moves by `-lr g / (sqrt(v) + eps)`. Use it for
   embedding tables with a long tail of rare ids that overfit in one epoch;
-  `ar_alpha=0` is plain row-wise RMSprop. The state is 8 bytes a row.
+  `ar_alpha=0` is plain row-wise RMSprop. The state is 8 bytes a row. The
+  learning rate enters the shrink nonlinearly (`lr * ar_alpha * I`,
+  clipped), so there is no rate-free `scale_by_rowwise_rmsprop_ar` to chain
+  a learning rate after: use `rowwise_rmsprop_ar` inside chains.
 
   Args:
     learning_rate: a float or an optax schedule of the global step (it
