@@ -98,6 +98,7 @@ def row_max_norm(
   validate.hyperparameters('row_max_norm', positive=dict(max_norm=max_norm))
   fused.check_impl(impl, 'row_max_norm')
   rule = _rule()
+  hyper = RowMaxNormKernelHyper(max_norm=max_norm)
 
   def init_fn(params):
     del params
@@ -108,7 +109,7 @@ def row_max_norm(
       raise ValueError('row_max_norm needs params (the rows it bounds): call '
                        'update(grads, state, params).')
     return fused.apply_stateless(
-        rule, updates, params, RowMaxNormKernelHyper(max_norm), impl,
+        rule, updates, params, hyper, impl,
         context=row_context.context_of(extra_args)), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
