@@ -5,12 +5,16 @@ implementation by tests/test_conformance.py (tests/optimizer_cases.py) and
 against FBGEMM by tests/test_fbgemm_counter_parity.py. Here: AdagradW's
 catch-up decays a rare row as dense training would, `max_counter` follows
 the largest counter, `reset_rows` gives fresh `IdTable` slots fresh
-counters, and bad arguments are refused by name.
+counters, bad arguments are refused by name, and
+`scale_by_rowwise_adagrad_with_counter` chained with the learning rate
+follows the model in every mode linear in it.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import optimizer_cases
 import pytest
 
 import lazy_optax
@@ -109,6 +113,28 @@ def test_reset_rows_gives_fresh_slots_fresh_counters():
 def test_bad_arguments_are_refused_by_name(kwargs, word):
   with pytest.raises(ValueError, match=word):
     lazy_optax.rowwise_adagrad_with_counter(0.1, **kwargs)
+
+
+@pytest.mark.parametrize('name', [
+    'l2,halflife=3', 'decoupled,halflife=5', 'tail_id_lr_decrease,ratio',
+    'counter_sgd,decoupled'])
+def test_scale_by_chained_with_the_learning_rate_follows_the_model(name):
+  case = optimizer_cases.BY_NAME[f'rowwise_adagrad_with_counter({name})']
+  assert case.scale_by is lazy_optax.scale_by_rowwise_adagrad_with_counter
+  tx = lazy_optax.lazy(optax.chain(
+      case.scale_by(**case.kwargs), optax.scale_by_learning_rate(case.lr)))
+  table = optimizer_cases.table_for(case, seed=3)
+  data = optimizer_cases.batches(4, optimizer_cases.NUM_ROWS,
+                                 (optimizer_cases.D,), steps=8, n_ids=12)
+  params, state = optimizer_cases.run(tx, table, data)
+  optimizer_cases.assert_matches_model(
+      case, params, state, optimizer_cases.run_model(case, table, data))
+
+
+def test_scale_by_refuses_adagradw_whose_decay_is_not_linear_in_the_rate():
+  with pytest.raises(ValueError, match="'adagradw'.*learning_rate"):
+    lazy_optax.scale_by_rowwise_adagrad_with_counter(
+        weight_decay=0.1, counter_weight_decay_mode='adagradw')
 
 
 def test_decay_needs_params():

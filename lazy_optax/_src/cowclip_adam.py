@@ -6,8 +6,9 @@ imports another (`cowclip` and `adam` each stand alone).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
+import jax
 import optax
 
 from lazy_optax._src import validate
@@ -24,8 +25,8 @@ def lazy_adam_cowclip(
     b2: float = 0.999,
     eps: float = 1e-8,
     *,
-    mu_dtype: Optional[Any] = None,
-    nu_dtype: Optional[Any] = None,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """`lazy_adam` on CowClip-clipped gradients (the paper's optimizer).

@@ -12,6 +12,10 @@ from jax.typing import DTypeLike
 import numpy as np
 import optax
 
+# `optax.adamw`'s `mask`: a tree of bools like the parameters, or a function
+# of the parameters giving one.
+Mask = Union[chex.ArrayTree, Callable[[optax.Params], chex.ArrayTree]]
+
 
 def broadcast_rows(per_row: jax.Array, like: jax.Array) -> jax.Array:
   """A per-row array `[N]` reshaped to broadcast against `like` `[N, ...]`."""
@@ -96,11 +100,8 @@ def is_zero(x: object) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
 
 
-def mask_leaves(
-    mask: Union[None, chex.ArrayTree,
-                Callable[[optax.Params], chex.ArrayTree]],
-    params: optax.Params,
-    treedef: jax.tree_util.PyTreeDef) -> list[bool]:
+def mask_leaves(mask: Optional[Mask], params: optax.Params,
+                treedef: jax.tree_util.PyTreeDef) -> list[bool]:
   """`optax.adamw`'s `mask` (a tree of bools, a callable or None), flattened
   along `treedef`: one bool per leaf."""
   if mask is None:

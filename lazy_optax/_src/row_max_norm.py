@@ -20,8 +20,9 @@ state is empty (0 bytes per row).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -35,21 +36,21 @@ from lazy_optax._src.numerics import row_norms
 
 
 class RowMaxNormKernelHyper(NamedTuple):
-  """The row max-norm kernel's hyperparameter: rows.cc's
+  """The rule's hyperparameter, for `step` and the kernel: rows.cc's
   `ROW_MAX_NORM_FIELDS`."""
-  max_norm: Any
+  max_norm: jax.typing.ArrayLike
 
 
 def _rule() -> fused.RowRule:
   """Row max-norm of `params + updates`, as a `RowRule` without state."""
 
-  def step(g, params, hyper):
+  def step(g, params, hyper: RowMaxNormKernelHyper):
     dtype = compute_dtype(g.dtype)
     u = g.astype(dtype)
     w = jnp.asarray(params).astype(dtype)
     new = w + u
     norm = row_norms(new)
-    max_norm = jnp.asarray(hyper['max_norm'], dtype)
+    max_norm = jnp.asarray(hyper.max_norm, dtype)
     over = norm > max_norm
     scale = max_norm / jnp.where(over, norm, 1)
     clipped = new * broadcast_rows(scale, new) - w
@@ -57,7 +58,7 @@ def _rule() -> fused.RowRule:
 
   return fused.stateless_rule(
       'row_max_norm', step, 'LazyOptaxRowMaxNorm',
-      lambda hyper: RowMaxNormKernelHyper(hyper['max_norm']),
+      lambda hyper: hyper,  # the rule's record is the kernel's
       fused_add=cpu_kernels.add_row_max_norm)
 
 
@@ -97,6 +98,7 @@ def row_max_norm(
   validate.hyperparameters('row_max_norm', positive=dict(max_norm=max_norm))
   fused.check_impl(impl, 'row_max_norm')
   rule = _rule()
+  hyper = RowMaxNormKernelHyper(max_norm=max_norm)
 
   def init_fn(params):
     del params
@@ -107,7 +109,7 @@ def row_max_norm(
       raise ValueError('row_max_norm needs params (the rows it bounds): call '
                        'update(grads, state, params).')
     return fused.apply_stateless(
-        rule, updates, params, dict(max_norm=max_norm), impl,
+        rule, updates, params, hyper, impl,
         context=row_context.context_of(extra_args)), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -31,7 +31,7 @@ makes the rule ordinary Adagrad with `eps` outside the square root.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import chex
 import jax
@@ -44,6 +44,7 @@ from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
+from lazy_optax._src.numerics import Mask
 from lazy_optax._src.numerics import mask_leaves
 from lazy_optax._src.numerics import per_row_full
 from lazy_optax._src.numerics import row_mean_square
@@ -58,46 +59,49 @@ class ScaleByRowwiseAdagradState(NamedTuple):
 
 
 class RowwiseAdagradKernelHyper(NamedTuple):
-  """The row-wise Adagrad kernel's hyperparameters: rows.cc's
-  `ROWWISE_ADAGRAD_FIELDS`, in order."""
-  eps: Any
-  l2: Any  # FBGEMM's L2 mode (0: off)
+  """The rule's hyperparameters, for `new_rows`, `step` and the kernel:
+  rows.cc's `ROWWISE_ADAGRAD_FIELDS`, in order."""
+  eps: jax.typing.ArrayLike
+  l2: jax.typing.ArrayLike  # FBGEMM's L2 mode (0: off)
+
+
+def _same_record(hyper: RowwiseAdagradKernelHyper
+                 ) -> RowwiseAdagradKernelHyper:
+  """The kernel's record: the rule's own (`l2` is 0 outside the L2 mode)."""
+  return hyper
 
 
 def _rule(l2: bool) -> fused.RowRule:
-  """Row-wise Adagrad as a `RowRule`; `hyper` is `dict(eps, l2)`.
+  """Row-wise Adagrad as a `RowRule` of a `RowwiseAdagradKernelHyper`.
 
-  `l2` (FBGEMM's L2 mode) adds `hyper['l2'] * params` to the gradient, for
-  the leaves the mask decays (`hyper['l2']` is 0 for the others).
+  `l2` (FBGEMM's L2 mode) adds `hyper.l2 * params` to the gradient, for
+  the leaves the mask decays (`hyper.l2` is 0 for the others).
   """
 
-  def decayed(g, params, hyper):
+  def decayed(g, params, hyper: RowwiseAdagradKernelHyper):
     dtype = compute_dtype(g.dtype)
     g = g.astype(dtype)
     if not l2:
       return g
-    return g + jnp.asarray(hyper['l2'], dtype) * (
+    return g + jnp.asarray(hyper.l2, dtype) * (
         jnp.asarray(params).astype(dtype))
 
-  def new_rows(g, rows, params, hyper):
+  def new_rows(g, rows, params, hyper: RowwiseAdagradKernelHyper):
     acc = rows['sum_of_squares']
     g = decayed(g, params, hyper)
     dtype = compute_dtype(g.dtype, acc.dtype)
     return {'sum_of_squares': acc.astype(dtype) + row_mean_square(
         g.astype(dtype))}
 
-  def step(g, stored, params, hyper):
+  def step(g, stored, params, hyper: RowwiseAdagradKernelHyper):
     g = decayed(g, params, hyper)
     acc = stored['sum_of_squares']
     dtype = compute_dtype(g.dtype, acc.dtype)
-    denom = jnp.sqrt(acc.astype(dtype)) + jnp.asarray(hyper['eps'], dtype)
+    denom = jnp.sqrt(acc.astype(dtype)) + jnp.asarray(hyper.eps, dtype)
     return g.astype(dtype) / broadcast_rows(denom, g)
 
-  def kernel_hyper(hyper):
-    return RowwiseAdagradKernelHyper(hyper['eps'], hyper['l2'] if l2 else 0)
-
   return fused.RowRule('rowwise_adagrad', new_rows, step, ('sum_of_squares',),
-                       'LazyOptaxRowwiseAdagrad', kernel_hyper,
+                       'LazyOptaxRowwiseAdagrad', _same_record,
                        needs_params=l2)
 
 
@@ -105,9 +109,9 @@ def _rowwise_adagrad_rule(
     *,
     eps: float,
     initial_accumulator_value: float,
-    accumulator_dtype: Optional[Any],
-    l2_weight_decay: Any,
-    mask: Optional[Union[Any, Callable[[Any], Any]]],
+    accumulator_dtype: Optional[jax.typing.DTypeLike],
+    l2_weight_decay: Optional[jax.typing.ArrayLike],
+    mask: Optional[Mask],
     impl: str,
 ) -> optax.GradientTransformationExtraArgs:
   """The row-wise Adagrad rule, dense or fused inside `lazy(...)`.
@@ -135,12 +139,15 @@ def _rowwise_adagrad_rule(
             'tx.update(grads, state, params).')
       decays = mask_leaves(mask, params, jax.tree.structure(updates))
 
-    def leaf_hyper(i, hyper):
-      return hyper if decays is None or decays[i] else dict(hyper, l2=0.0)
+    def leaf_hyper(i: int, hyper: RowwiseAdagradKernelHyper
+                   ) -> RowwiseAdagradKernelHyper:
+      return hyper if decays is None or decays[i] else hyper._replace(l2=0.0)
 
+    hyper = RowwiseAdagradKernelHyper(
+        eps=eps, l2=0.0 if l2_weight_decay is None else l2_weight_decay)
     new_updates, new = fused.apply_rule(
         rule, updates, {'sum_of_squares': state.sum_of_squares},
-        params if l2 else None, dict(eps=eps, l2=l2_weight_decay), impl,
+        params if l2 else None, hyper, impl,
         leaf_hyper=leaf_hyper,
         context=row_context.context_of(extra_args))
     return new_updates, ScaleByRowwiseAdagradState(count, **new)
@@ -151,7 +158,7 @@ def _rowwise_adagrad_rule(
 def scale_by_rowwise_adagrad(
     eps: float = 1e-8,
     initial_accumulator_value: float = 0.0,
-    accumulator_dtype: Optional[Any] = None,
+    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
     *,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
@@ -204,10 +211,10 @@ def rowwise_adagrad(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     weight_decay_mode: str = 'none',
-    mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    mask: Optional[Mask] = None,
     *,
     initial_accumulator_value: float = 0.0,
-    accumulator_dtype: Optional[Any] = None,
+    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Row-wise Adagrad: one accumulator per row, lazy on `SparseRows`.
