@@ -59,6 +59,9 @@ from lazy_optax._src.rowwise_adagrad_with_counter import (
     rowwise_adagrad_with_counter,
 )
 from lazy_optax._src.rowwise_adagrad_with_counter import (
+    scale_by_rowwise_adagrad_with_counter,
+)
+from lazy_optax._src.rowwise_adagrad_with_counter import (
     ScaleByRowwiseAdagradWithCounterState,
 )
 from lazy_optax._src.rowwise_rmsprop_ar import rowwise_rmsprop_ar
@@ -102,6 +105,7 @@ __all__ = (
     'scale_by_rowwise_adagrad',
     'ScaleByRowwiseAdagradState',
     'rowwise_adagrad_with_counter',
+    'scale_by_rowwise_adagrad_with_counter',
     'ScaleByRowwiseAdagradWithCounterState',
     'partial_rowwise_adam',
     'scale_by_partial_rowwise_adam',

@@ -18,7 +18,7 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence, TextIO
+from typing import Callable, Optional, Sequence, TextIO
 import warnings
 
 import jax
@@ -276,7 +276,7 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[Sequence[str]] = None, stream: TextIO = sys.stdout,
-         progress: TextIO = sys.stderr) -> dict[str, Any]:
+         progress: TextIO = sys.stderr) -> dict[str, dict[str, float]]:
   """Runs the demo and prints its table.
 
   Args:

@@ -30,7 +30,7 @@ Equinox is installed: `import lazy_optax` never imports Equinox.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, TypeVar
 
 try:
   import equinox as eqx
@@ -40,6 +40,9 @@ except ImportError as e:  # pragma: no cover - depends on the environment
       "pip install 'lazy_optax[examples]').") from e
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
+import optax
 
 from lazy_optax._src import collection as _collection
 from lazy_optax._src import lookups
@@ -47,6 +50,8 @@ from lazy_optax._src.apply import apply_updates as _apply_updates
 from lazy_optax._src.grads import value_and_grad
 from lazy_optax._src.id_table import IdTable
 from lazy_optax._src.sparse_rows import is_sparse_rows
+
+_Model = TypeVar('_Model')
 
 
 class Embedding(eqx.nn.Embedding):
@@ -70,9 +75,11 @@ class Embedding(eqx.nn.Embedding):
   padding_id: Optional[int] = eqx.field(static=True, default=None)
 
   def __init__(self, num_embeddings: Optional[int] = None,
-               embedding_size: Optional[int] = None, weight: Any = None,
-               dtype: Any = None, *, padding_id: Optional[int] = None,
-               key: Any = None):
+               embedding_size: Optional[int] = None,
+               weight: Optional[jax.Array] = None,
+               dtype: Optional[DTypeLike] = None, *,
+               padding_id: Optional[int] = None,
+               key: Optional[jax.Array] = None):
     """Builds the layer, from sizes and a key or from a `weight`.
 
     Args:
@@ -88,7 +95,8 @@ class Embedding(eqx.nn.Embedding):
     super().__init__(num_embeddings, embedding_size, weight, dtype, key=key)
     self.padding_id = padding_id
 
-  def __call__(self, x: Any, *, key: Any = None) -> jax.Array:
+  def __call__(self, x: ArrayLike, *,
+               key: Optional[jax.Array] = None) -> jax.Array:
     """Looks up one row per id.
 
     Args:
@@ -121,9 +129,11 @@ class EmbeddingBag(Embedding):
   mode: str = eqx.field(static=True, default='mean')
 
   def __init__(self, num_embeddings: Optional[int] = None,
-               embedding_size: Optional[int] = None, weight: Any = None,
-               dtype: Any = None, *, mode: str = 'mean',
-               padding_id: Optional[int] = None, key: Any = None):
+               embedding_size: Optional[int] = None,
+               weight: Optional[jax.Array] = None,
+               dtype: Optional[DTypeLike] = None, *, mode: str = 'mean',
+               padding_id: Optional[int] = None,
+               key: Optional[jax.Array] = None):
     """Builds the layer.
 
     Args:
@@ -139,9 +149,10 @@ class EmbeddingBag(Embedding):
                      padding_id=padding_id, key=key)
     self.mode = mode
 
-  def __call__(self, x: Any, mask: Any = None,
-               lengths: Any = None, per_sample_weights: Any = None, *,
-               key: Any = None) -> jax.Array:
+  def __call__(self, x: ArrayLike, mask: Optional[ArrayLike] = None,
+               lengths: Optional[ArrayLike] = None,
+               per_sample_weights: Optional[ArrayLike] = None, *,
+               key: Optional[jax.Array] = None) -> jax.Array:
     """Pools the rows of each bag.
 
     Args:
@@ -162,7 +173,7 @@ class EmbeddingBag(Embedding):
 
 
 def filter_value_and_grad(
-    fun: Callable[..., Any],
+    fun: Callable[..., object],
     *,
     has_aux: bool = False,
     tables: Optional[Sequence[str]] = None,
@@ -212,7 +223,7 @@ def filter_value_and_grad(
   return wrapped
 
 
-def apply_updates(model: Any, updates: Any) -> Any:
+def apply_updates(model: _Model, updates: optax.Updates) -> _Model:
   """`eqx.apply_updates` that also adds `SparseRows` updates (their rows).
 
   Leaves whose update is `None` (non-array leaves, frozen parts) are kept as
@@ -248,7 +259,7 @@ def apply_updates(model: Any, updates: Any) -> Any:
 # -- many tables as one (lazy_optax.EmbeddingCollection) ----------------------
 
 def _checked_stacks(collection: _collection.EmbeddingCollection,
-                    stacks: Mapping[str, Any], where: str
+                    stacks: Mapping[str, ArrayLike], where: str
                     ) -> dict[str, jax.Array]:
   """`stacks` as arrays, each of its stack's shape and dtype."""
   names = [s.name for s in collection.plan]
@@ -304,7 +315,8 @@ class EmbeddingCollection(eqx.Module):
   collection: _collection.EmbeddingCollection = eqx.field(static=True)
 
   def __init__(self, collection: _collection.EmbeddingCollection, *,
-               stacks: Optional[Mapping[str, Any]] = None, key: Any = None):
+               stacks: Optional[Mapping[str, ArrayLike]] = None,
+               key: Optional[jax.Array] = None):
     """Builds the layer, from a key or from its stacks.
 
     Args:
@@ -318,17 +330,19 @@ class EmbeddingCollection(eqx.Module):
       raise TypeError(f'{where}: collection must be a '
                       'lazy_optax.EmbeddingCollection, got '
                       f'{type(collection).__name__}.')
-    if (stacks is None) == (key is None):
+    if stacks is None and key is not None:
+      self.stacks = collection.init(key)
+    elif stacks is not None and key is None:
+      self.stacks = _checked_stacks(collection, stacks, where)
+    else:
       raise ValueError(f'{where}: give either key or stacks.')
-    self.stacks = (collection.init(key) if stacks is None
-                   else _checked_stacks(collection, stacks, where))
     self.collection = collection
 
-  def __call__(self, ids_by_feature: Mapping[str, Any], *,
-               lengths: Optional[Mapping[str, Any]] = None,
-               masks: Optional[Mapping[str, Any]] = None,
-               weights: Optional[Mapping[str, Any]] = None,
-               key: Any = None) -> dict[str, jax.Array]:
+  def __call__(self, ids_by_feature: Mapping[str, ArrayLike], *,
+               lengths: Optional[Mapping[str, ArrayLike]] = None,
+               masks: Optional[Mapping[str, ArrayLike]] = None,
+               weights: Optional[Mapping[str, ArrayLike]] = None,
+               key: Optional[jax.Array] = None) -> dict[str, jax.Array]:
     """Each feature's rows (`EmbeddingCollection.lookup`).
 
     Args:
@@ -355,7 +369,7 @@ class EmbeddingCollection(eqx.Module):
 
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
 
-def _check_id_table(table: Any, where: str) -> IdTable:
+def _check_id_table(table: object, where: str) -> IdTable:
   if not isinstance(table, IdTable):
     raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
                     f'{type(table).__name__}.')
@@ -389,7 +403,9 @@ class HashEmbedding(Embedding):
   table: IdTable = eqx.field(static=True, default=None)
 
   def __init__(self, table: IdTable, embedding_size: Optional[int] = None,
-               weight: Any = None, dtype: Any = None, *, key: Any = None):
+               weight: Optional[jax.Array] = None,
+               dtype: Optional[DTypeLike] = None, *,
+               key: Optional[jax.Array] = None):
     """Builds the layer.
 
     Args:
@@ -427,8 +443,9 @@ class HashEmbeddingBag(EmbeddingBag):
   table: IdTable = eqx.field(static=True, default=None)
 
   def __init__(self, table: IdTable, embedding_size: Optional[int] = None,
-               weight: Any = None, dtype: Any = None, *, mode: str = 'mean',
-               key: Any = None):
+               weight: Optional[jax.Array] = None,
+               dtype: Optional[DTypeLike] = None, *, mode: str = 'mean',
+               key: Optional[jax.Array] = None):
     """Builds the layer.
 
     Args:

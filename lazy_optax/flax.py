@@ -36,10 +36,13 @@ except ImportError as e:  # pragma: no cover - depends on the environment
       "pip install 'lazy_optax[examples]').") from e
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
 
 from lazy_optax._src import lookups
 from lazy_optax._src.collection import EmbeddingCollection
 from lazy_optax._src.grads import value_and_grad
+from lazy_optax._src.id_table import FreshRows
 from lazy_optax._src.id_table import IdTable
 from lazy_optax._src.reset_rows import reset_rows
 
@@ -83,7 +86,7 @@ class Embed(nn.Embed):
 
   padding_id: Optional[int] = None
 
-  def __call__(self, inputs: Any) -> Any:
+  def __call__(self, inputs: ArrayLike) -> jax.Array:
     """Embeds the inputs along a new last dimension.
 
     Args:
@@ -124,8 +127,9 @@ class EmbedBag(nn.Embed):
   mode: str = 'mean'
   padding_id: Optional[int] = None
 
-  def __call__(self, inputs: Any, mask: Any = None, lengths: Any = None,
-               per_sample_weights: Any = None) -> Any:
+  def __call__(self, inputs: ArrayLike, mask: Optional[ArrayLike] = None,
+               lengths: Optional[ArrayLike] = None,
+               per_sample_weights: Optional[ArrayLike] = None) -> jax.Array:
     """Pools the rows of each bag.
 
     Args:
@@ -181,7 +185,11 @@ class NnxEmbed(nnx.Embed):
     super().__init__(num_embeddings, features, **kwargs)
     self.padding_id = padding_id
 
-  def __call__(self, inputs: Any, out_sharding: Any = None) -> Any:
+  def __call__(
+      self, inputs: ArrayLike,
+      out_sharding: Optional[jax.sharding.NamedSharding
+                             | jax.sharding.PartitionSpec] = None,
+  ) -> jax.Array:
     """Embeds the inputs along a new last dimension.
 
     Args:
@@ -240,8 +248,13 @@ class NnxEmbedBag(NnxEmbed):
                      **kwargs)
     self.mode = mode
 
-  def __call__(self, inputs: Any, mask: Any = None,
-               lengths: Any = None, per_sample_weights: Any = None) -> Any:
+  # Bags take `mask`, `lengths` and `per_sample_weights` where `NnxEmbed`
+  # takes `out_sharding`: an `NnxEmbedBag` shares `NnxEmbed`'s parameter, not
+  # its call.
+  def __call__(  # type: ignore[override]
+      self, inputs: ArrayLike, mask: Optional[ArrayLike] = None,
+      lengths: Optional[ArrayLike] = None,
+      per_sample_weights: Optional[ArrayLike] = None) -> jax.Array:
     """Pools the rows of each bag.
 
     Args:
@@ -261,11 +274,11 @@ class NnxEmbedBag(NnxEmbed):
 
 
 def nnx_value_and_grad(
-    fun: Callable[..., Any],
+    fun: Callable[..., object],
     *,
     has_aux: bool = False,
     tables: Optional[Sequence[str]] = None,
-    wrt: Any = nnx.Param,
+    wrt: nnx.filterlib.Filter = nnx.Param,
 ) -> Callable[..., Any]:
   """`nnx.value_and_grad` for a model, with row-sparse table gradients.
 
@@ -321,7 +334,7 @@ def nnx_value_and_grad(
 
 # -- many tables as one (lazy_optax.EmbeddingCollection) ----------------------
 
-def _check_collection(collection: Any, where: str) -> EmbeddingCollection:
+def _check_collection(collection: object, where: str) -> EmbeddingCollection:
   if not isinstance(collection, EmbeddingCollection):
     raise TypeError(f'{where}: collection must be a '
                     'lazy_optax.EmbeddingCollection, got '
@@ -372,7 +385,7 @@ class EmbedCollection(nn.Module):
   """
 
   collection: EmbeddingCollection
-  dtype: Optional[Any] = None
+  dtype: Optional[DTypeLike] = None
 
   def setup(self):
     coll = _check_collection(self.collection,
@@ -388,10 +401,10 @@ class EmbedCollection(nn.Module):
     self.stacks = {s.name: self.param(s.name, init, s.name)
                    for s in coll.plan}
 
-  def __call__(self, ids_by_feature: Mapping[str, Any], *,
-               lengths: Optional[Mapping[str, Any]] = None,
-               masks: Optional[Mapping[str, Any]] = None,
-               weights: Optional[Mapping[str, Any]] = None
+  def __call__(self, ids_by_feature: Mapping[str, ArrayLike], *,
+               lengths: Optional[Mapping[str, ArrayLike]] = None,
+               masks: Optional[Mapping[str, ArrayLike]] = None,
+               weights: Optional[Mapping[str, ArrayLike]] = None
                ) -> dict[str, jax.Array]:
     """Each feature's rows (`EmbeddingCollection.lookup`).
 
@@ -450,7 +463,7 @@ class NnxEmbedCollection(nnx.Module):
   """
 
   def __init__(self, collection: EmbeddingCollection, *,
-               dtype: Optional[Any] = None, rngs: nnx.Rngs):
+               dtype: Optional[DTypeLike] = None, rngs: nnx.Rngs):
     """Builds the layer.
 
     Args:
@@ -467,10 +480,10 @@ class NnxEmbedCollection(nnx.Module):
   def _values(self) -> dict[str, jax.Array]:
     return {name: param[...] for name, param in self.stacks.items()}
 
-  def __call__(self, ids_by_feature: Mapping[str, Any], *,
-               lengths: Optional[Mapping[str, Any]] = None,
-               masks: Optional[Mapping[str, Any]] = None,
-               weights: Optional[Mapping[str, Any]] = None
+  def __call__(self, ids_by_feature: Mapping[str, ArrayLike], *,
+               lengths: Optional[Mapping[str, ArrayLike]] = None,
+               masks: Optional[Mapping[str, ArrayLike]] = None,
+               weights: Optional[Mapping[str, ArrayLike]] = None
                ) -> dict[str, jax.Array]:
     """Each feature's rows (`EmbeddingCollection.lookup`).
 
@@ -496,7 +509,7 @@ class NnxEmbedCollection(nnx.Module):
 
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
 
-def _check_id_table(table: Any, where: str) -> IdTable:
+def _check_id_table(table: object, where: str) -> IdTable:
   if not isinstance(table, IdTable):
     raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
                     f'{type(table).__name__}.')
@@ -508,9 +521,9 @@ class _HashEmbedTable(nn.Module):
 
   table: IdTable
   features: int
-  dtype: Optional[Any] = None
-  param_dtype: Any = jnp.float32
-  embedding_init: Callable[..., Any] = nn.initializers.variance_scaling(
+  dtype: Optional[DTypeLike] = None
+  param_dtype: DTypeLike = jnp.float32
+  embedding_init: Callable[..., jax.Array] = nn.initializers.variance_scaling(
       1.0, 'fan_in', 'normal', out_axis=0)
 
   def setup(self):
@@ -555,7 +568,7 @@ class HashEmbed(_HashEmbedTable):
     SparseRows(num_rows=100, ids=2, row_shape=(4,), dtype=float32)
   """
 
-  def __call__(self, slots: Any) -> Any:
+  def __call__(self, slots: ArrayLike) -> jax.Array:
     """Reads the rows of the slots.
 
     Args:
@@ -591,8 +604,9 @@ class HashEmbedBag(_HashEmbedTable):
 
   mode: str = 'mean'
 
-  def __call__(self, slots: Any, mask: Any = None, lengths: Any = None,
-               per_sample_weights: Any = None) -> Any:
+  def __call__(self, slots: ArrayLike, mask: Optional[ArrayLike] = None,
+               lengths: Optional[ArrayLike] = None,
+               per_sample_weights: Optional[ArrayLike] = None) -> jax.Array:
     """Pools the rows of each bag of slots.
 
     Args:
@@ -674,7 +688,9 @@ class NnxHashEmbedBag(NnxEmbedBag):
                      padding_id=table.capacity, **kwargs)
 
 def nnx_reset_rows(model: nnx.Module, optimizer: nnx.Optimizer,
-                   fresh: Any, *, init: Any, key: Any = None) -> None:
+                   fresh: Mapping[str, FreshRows], *,
+                   init: Optional[Callable[..., jax.Array]],
+                   key: Optional[jax.Array] = None) -> None:
   """`lazy_optax.reset_rows` for an nnx model and its `nnx.Optimizer`.
 
   Resets, in place, the rows of the slots in `fresh` (`{'<path>':

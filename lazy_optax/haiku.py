@@ -22,7 +22,7 @@ installed: `import lazy_optax` never imports Haiku.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 try:
   import haiku as hk
@@ -32,6 +32,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
       "pip install 'lazy_optax[examples]').") from e
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from lazy_optax._src import lookups
 from lazy_optax._src.collection import EmbeddingCollection
@@ -78,10 +79,10 @@ class Embed(hk.Embed):
 
   def __call__(
       self,
-      ids: Any,
-      lookup_style: Optional[Any] = None,
-      precision: Optional[Any] = None,
-  ) -> Any:
+      ids: ArrayLike | Sequence[int],
+      lookup_style: Optional[str | hk.EmbedLookupStyle] = None,
+      precision: Optional[jax.lax.Precision] = None,
+  ) -> jax.Array:
     """Looks up one embedding row per id.
 
     Args:
@@ -140,8 +141,14 @@ class EmbedBag(Embed):
     super().__init__(*args, padding_id=padding_id, **kwargs)
     self.mode = mode
 
-  def __call__(self, ids: Any, mask: Any = None,
-               lengths: Any = None, per_sample_weights: Any = None) -> Any:
+  # Bags take `mask`, `lengths` and `per_sample_weights` where `Embed` takes
+  # `lookup_style` and `precision`: an `EmbedBag` shares `Embed`'s parameter,
+  # not its call.
+  def __call__(  # type: ignore[override]
+      self, ids: ArrayLike | Sequence[int],
+      mask: Optional[ArrayLike] = None,
+      lengths: Optional[ArrayLike] = None,
+      per_sample_weights: Optional[ArrayLike] = None) -> jax.Array:
     """Pools the rows of each bag.
 
     Args:
@@ -220,10 +227,10 @@ class EmbedCollection(hk.Module):
                                      init=init(s.name))
             for s in self.collection.plan}
 
-  def __call__(self, ids_by_feature: Mapping[str, Any], *,
-               lengths: Optional[Mapping[str, Any]] = None,
-               masks: Optional[Mapping[str, Any]] = None,
-               weights: Optional[Mapping[str, Any]] = None
+  def __call__(self, ids_by_feature: Mapping[str, ArrayLike], *,
+               lengths: Optional[Mapping[str, ArrayLike]] = None,
+               masks: Optional[Mapping[str, ArrayLike]] = None,
+               weights: Optional[Mapping[str, ArrayLike]] = None
                ) -> dict[str, jax.Array]:
     """Each feature's rows (`EmbeddingCollection.lookup`).
 
@@ -249,7 +256,7 @@ class EmbedCollection(hk.Module):
 
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
 
-def _check_id_table(table: Any, where: str) -> IdTable:
+def _check_id_table(table: object, where: str) -> IdTable:
   if not isinstance(table, IdTable):
     raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
                     f'{type(table).__name__}.')

@@ -35,16 +35,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 import numpy as np
 
+from optimizer_cases import MESH_CASES
+
 import lazy_optax
 
-OPTIMIZERS = {
-    'lazy_adam': lambda: lazy_optax.lazy_adam(0.05),
-    'lazy_adam_amsgrad': lambda: lazy_optax.lazy_adam(0.05, amsgrad=True),
-    'rowwise_adagrad_l2': lambda: lazy_optax.rowwise_adagrad(
-        0.05, weight_decay=0.1, weight_decay_mode='l2'),
-    'partial_rowwise_adam': lambda: lazy_optax.partial_rowwise_adam(0.05),
-    'ftrl': lambda: lazy_optax.ftrl(0.05, l1=0.001),
-}
+# The optimizers whose kernels run per device (tests/optimizer_cases.py).
+OPTIMIZERS = {case.name: case.make for case in MESH_CASES}
 
 
 def _train(tx, table, batches, mesh):

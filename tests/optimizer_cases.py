@@ -76,6 +76,14 @@ class Case:
   # one this case asks for (None: the default, 'auto').
   impls: tuple[str, ...] = ()
   impl: Optional[str] = None
+  # The rule modules of lazy_optax/_src (those that build a `fused.RowRule`)
+  # whose rules this case runs against its model.
+  rule_modules: tuple[str, ...] = ()
+  # The optimizer's bare rule, `scale_by_...` (None: it has none).
+  scale_by: Optional[Callable[..., optax.GradientTransformation]] = None
+  # Whether its kernel runs on each device's rows of an Explicit mesh and is
+  # checked there against one device (tests/kernel_shards.py).
+  on_mesh: bool = False
 
   def make(self, lr: Any = None) -> optax.GradientTransformation:
     kwargs = dict(self.kwargs)
@@ -107,7 +115,8 @@ LAZY_ADAM = Case(
     dtypes=(Dtypes(_BF16, {}, {'m': _BF16, 'v': _BF16}, 3e-2),
             Dtypes(_BF16, dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32),
                    {'m': jnp.float32, 'v': jnp.float32}, 3e-2)),
-    steps=25, impls=_ALL_IMPLS)
+    steps=25, impls=_ALL_IMPLS, rule_modules=('adam',),
+    scale_by=lazy_optax.scale_by_lazy_adam, on_mesh=True)
 
 ROWWISE_ADAGRAD = Case(
     'rowwise_adagrad', lazy_optax.rowwise_adagrad, 0.1, {},
@@ -117,7 +126,8 @@ ROWWISE_ADAGRAD = Case(
     dtypes=(Dtypes(_BF16, {}, {'sum_of_squares': jnp.float32}, 3e-2),
             Dtypes(jnp.float32, dict(accumulator_dtype=_BF16),
                    {'sum_of_squares': _BF16}, 2e-2)),
-    rtol=1e-5, impls=_ALL_IMPLS)
+    rtol=1e-5, impls=_ALL_IMPLS, rule_modules=('rowwise_adagrad',),
+    scale_by=lazy_optax.scale_by_rowwise_adagrad)
 
 PARTIAL_ROWWISE_ADAM = Case(
     'partial_rowwise_adam', lazy_optax.partial_rowwise_adam, 0.05, {},
@@ -127,7 +137,8 @@ PARTIAL_ROWWISE_ADAM = Case(
     dtypes=(Dtypes(_BF16, {}, {'mu': _BF16, 'nu': jnp.float32}, 3e-2),
             Dtypes(jnp.float32, dict(mu_dtype=_BF16, nu_dtype=_BF16),
                    {'mu': _BF16, 'nu': _BF16}, 1e-2)),
-    steps=15, impls=_ALL_IMPLS)
+    steps=15, impls=_ALL_IMPLS, rule_modules=('partial_rowwise_adam',),
+    scale_by=lazy_optax.scale_by_partial_rowwise_adam, on_mesh=True)
 
 FTRL = Case(
     'ftrl', lazy_optax.ftrl, 0.1, dict(l1=0.01, beta=0.3),
@@ -143,7 +154,8 @@ FTRL = Case(
             Dtypes(jnp.float32, dict(accumulator_dtype=_BF16,
                                      linear_dtype=_BF16),
                    {'accumulator': _BF16, 'linear': _BF16}, 1e-2)),
-    rtol=1e-5, table_scale=0.1, impls=_ALL_IMPLS)
+    rtol=1e-5, table_scale=0.1, impls=_ALL_IMPLS, rule_modules=('ftrl',),
+    on_mesh=True)
 
 ADAM_WITH_COUNTER = Case(
     'adam_with_counter', lazy_optax.adam_with_counter, 0.05,
@@ -158,7 +170,9 @@ ADAM_WITH_COUNTER = Case(
     dtypes=(Dtypes(_BF16, dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32),
                    {'m': jnp.float32, 'v': jnp.float32,
                     'row_count': jnp.int32}, 3e-2),),
-    rtol=3e-5, steps=14, impls=('generic', 'xla'))
+    rtol=3e-5, steps=14, impls=('generic', 'xla'),
+    rule_modules=('adam_with_counter',),
+    scale_by=lazy_optax.scale_by_adam_with_counter)
 
 _COUNTER_ADAGRAD_KW = dict(weight_decay=0.1,
                           counter_weight_decay_mode='adagradw')
@@ -180,7 +194,9 @@ ROWWISE_ADAGRAD_WITH_COUNTER = Case(
                                'last_step': jnp.int32}, 3e-2),
             Dtypes(jnp.float32, dict(accumulator_dtype=_BF16),
                    {'sum_of_squares': _BF16}, 2e-2)),
-    rtol=2e-5, steps=16, impls=_ALL_IMPLS)
+    rtol=2e-5, steps=16, impls=_ALL_IMPLS,
+    rule_modules=('rowwise_adagrad_with_counter',),
+    scale_by=lazy_optax.scale_by_rowwise_adagrad_with_counter)
 
 ROWWISE_RMSPROP_AR = Case(
     'rowwise_rmsprop_ar', lazy_optax.rowwise_rmsprop_ar, 0.05,
@@ -196,7 +212,8 @@ ROWWISE_RMSPROP_AR = Case(
                    3e-2),
             Dtypes(jnp.float32, dict(accumulator_dtype=_BF16),
                    {'nu': _BF16, 'prev_iter': jnp.int32}, 2e-2)),
-    rtol=1e-5, steps=14, impls=_ALL_IMPLS)
+    rtol=1e-5, steps=14, impls=_ALL_IMPLS,
+    rule_modules=('rowwise_rmsprop_ar',))
 
 OPTAX_ADAM = Case(
     'lazy(optax.adam)',
@@ -249,7 +266,7 @@ def rowwise_adagrad_max_norm(learning_rate, max_norm=1.0, *,
       lazy_optax.scale_by_rowwise_adagrad(
           accumulator_dtype=accumulator_dtype, impl=impl),
       optax.scale_by_learning_rate(learning_rate),
-      lazy_optax.row_max_norm(max_norm, impl=impl)))
+      lazy_optax.row_max_norm(max_norm)), impl=impl)
 
 
 _COWCLIP = dict(coef=0.8, lower_bound=0.5)
@@ -263,7 +280,8 @@ LAZY_ADAM_COWCLIP = dataclasses.replace(
         lazy_optax.cowclip(**_COWCLIP), lazy_optax.scale_by_lazy_adam(),
         optax.scale_by_learning_rate(0.05)))),
     dtypes=(Dtypes(_BF16, dict(mu_dtype=jnp.float32, nu_dtype=jnp.float32),
-                   {'m': jnp.float32, 'v': jnp.float32}, 3e-2),))
+                   {'m': jnp.float32, 'v': jnp.float32}, 3e-2),),
+    rule_modules=('cowclip', 'adam'), scale_by=None, on_mesh=False)
 
 ROWWISE_ADAGRAD_MAX_NORM = dataclasses.replace(
     ROWWISE_ADAGRAD, name='rowwise_adagrad+max_norm',
@@ -273,7 +291,8 @@ ROWWISE_ADAGRAD_MAX_NORM = dataclasses.replace(
     chained=lambda: lazy_optax.lazy(optax.chain(
         optax.clip_by_global_norm(1e6), lazy_optax.scale_by_rowwise_adagrad(),
         optax.scale_by_learning_rate(0.3), lazy_optax.row_max_norm(1.0))),
-    dtypes=(Dtypes(_BF16, {}, {'sum_of_squares': jnp.float32}, 3e-2),))
+    dtypes=(Dtypes(_BF16, {}, {'sum_of_squares': jnp.float32}, 3e-2),),
+    rule_modules=('rowwise_adagrad', 'row_max_norm'), scale_by=None)
 
 # Every property is checked on each of these.
 CASES = (LAZY_ADAM, ROWWISE_ADAGRAD, PARTIAL_ROWWISE_ADAM, FTRL,
@@ -283,8 +302,9 @@ CASES = (LAZY_ADAM, ROWWISE_ADAGRAD, PARTIAL_ROWWISE_ADAM, FTRL,
 
 def _variant(case: Case, name: str, model: Callable[..., Any],
              **kwargs: Any) -> Case:
+  """`case` in another configuration (checked on one device only)."""
   return dataclasses.replace(case, name=f'{case.name}({name})',
-                             kwargs=kwargs, model=model)
+                             kwargs=kwargs, model=model, on_mesh=False)
 
 
 _FTRL_CONFIGS = {
@@ -355,17 +375,20 @@ def _counter_adagrad_variant(name: str, kw: dict) -> Case:
 
 # The rule against the model: every optimizer, in each configuration.
 RULE_CASES = CASES + (
-    _variant(LAZY_ADAM, 'amsgrad',
-             lambda t, lr: reference.TFLazyAdam(t, lr=lr, amsgrad=True),
-             amsgrad=True),
+    dataclasses.replace(_variant(
+        LAZY_ADAM, 'amsgrad',
+        lambda t, lr: reference.TFLazyAdam(t, lr=lr, amsgrad=True),
+        amsgrad=True), on_mesh=True),
     dataclasses.replace(
         LAZY_ADAM, name='lazy_adamw', fn=lazy_optax.lazy_adamw,
         kwargs=dict(weight_decay=0.1),
-        model=lambda t, lr: reference.TFLazyAdam(t, lr=lr, weight_decay=0.1)),
-    _variant(ROWWISE_ADAGRAD, 'l2',
-             lambda t, lr: reference.RowwiseAdagrad(
-                 t, lr=lr, weight_decay=0.3, mode='l2'),
-             weight_decay=0.3, weight_decay_mode='l2'),
+        model=lambda t, lr: reference.TFLazyAdam(t, lr=lr, weight_decay=0.1),
+        scale_by=None, on_mesh=False),
+    dataclasses.replace(_variant(
+        ROWWISE_ADAGRAD, 'l2',
+        lambda t, lr: reference.RowwiseAdagrad(
+            t, lr=lr, weight_decay=0.3, mode='l2'),
+        weight_decay=0.3, weight_decay_mode='l2'), on_mesh=True),
     _variant(ROWWISE_ADAGRAD, 'decoupled',
              lambda t, lr: reference.RowwiseAdagrad(
                  t, lr=lr, weight_decay=0.3, mode='decoupled'),
@@ -395,6 +418,10 @@ RULE_CASES = CASES + (
 )
 
 BY_NAME = {case.name: case for case in RULE_CASES}
+
+# The configurations whose kernel is checked on an Explicit mesh of 8
+# devices against one device (tests/kernel_shards.py).
+MESH_CASES = tuple(case for case in RULE_CASES if case.on_mesh)
 
 
 def with_impl(case: Case, impl: str) -> Case:

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from optimizer_cases import BY_NAME
 import pytest
 from reference import off_the_cpu
 
@@ -24,15 +25,20 @@ _NUM_ROWS = 12
 _LR = optax.linear_schedule(1e-2, 1e-3, 5)
 
 
+# lazy_adam's forms, from the registry of optimizers (tests/optimizer_cases.py).
+_ADAM = BY_NAME['lazy_adam']
+_ADAMW = BY_NAME['lazy_adamw']
+
+
 def _tx(kind, lr, impl, **kw):
   if kind == 'scale_by':
-    return lazy_optax.scale_by_lazy_adam(impl=impl, **kw)
+    return _ADAM.scale_by(impl=impl, **kw)
   if kind == 'adamw':
-    return lazy_optax.lazy_adamw(
+    return _ADAMW.fn(
         lr, weight_decay=0.01,
         mask=lambda p: jax.tree.map(lambda x: x.ndim == 2, p), impl=impl,
         **kw)
-  return lazy_optax.lazy_adam(lr, impl=impl, **kw)
+  return _ADAM.fn(lr, impl=impl, **kw)
 
 
 def _data():

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 import numpy as np
 import optax
+from optimizer_cases import CASES
+from optimizer_cases import with_impl
 import pytest
 from reference import TFLazyAdam
 
@@ -62,7 +64,9 @@ def _table():
 # --- impl='xla': no C++ call at all ----------------------------------------
 
 XLA_OPTIMIZERS = {
-    'lazy_adam': lambda: lazy_optax.lazy_adam(LR, impl='xla'),
+    # Every optimizer of tests/optimizer_cases.py that offers impl='xla'.
+    **{case.name: with_impl(case, 'xla').make for case in CASES
+       if 'xla' in case.impls},
     'lazy(optax.adam, impl=xla)': lambda: lazy_optax.lazy(
         optax.adam(LR), impl='xla'),
     'lazy(chain(scale_by_lazy_adam))': lambda: lazy_optax.lazy(optax.chain(
@@ -74,13 +78,23 @@ XLA_OPTIMIZERS = {
         lazy_optax.lazy_adam)(learning_rate=LR, impl='xla'),
     'apply_if_finite(lazy_adam)': lambda: optax.apply_if_finite(
         lazy_optax.lazy_adam(LR, impl='xla'), 3),
-    'rowwise_adagrad': lambda: lazy_optax.rowwise_adagrad(LR, impl='xla'),
-    'ftrl': lambda: lazy_optax.ftrl(LR, impl='xla'),
-    'partial_rowwise_adam': lambda: lazy_optax.partial_rowwise_adam(
-        LR, impl='xla'),
-    'adam_with_counter': lambda: lazy_optax.adam_with_counter(
-        LR, impl='xla'),
 }
+
+
+# Known gaps that the registry's cases show (each fails today; strict, so
+# that a fix is noticed): the counts of lazy_adam+cowclip are a SparseRows
+# of their own, made by `id_counts` with impl='auto', whose distinct ids the
+# C++ dedup computes; and under multi_steps the int32 per-row counter table
+# of these rules (last_step, prev_iter) is copied once per step.
+_CALLS_CPP_WITH_XLA = {'lazy_adam+cowclip'}
+_COPIES_A_COUNTER_TABLE = {'adam_with_counter', 'rowwise_adagrad_with_counter',
+                           'rowwise_rmsprop_ar'}
+
+
+def _known_gap(names, reason):
+  return [pytest.param(name, marks=pytest.mark.xfail(strict=True,
+                                                      reason=reason))
+          if name in names else name for name in sorted(XLA_OPTIMIZERS)]
 
 
 def _loss(params, ids):
@@ -88,7 +102,8 @@ def _loss(params, ids):
   return jnp.mean((rows - 1.0) ** 2)
 
 
-@pytest.mark.parametrize('name', sorted(XLA_OPTIMIZERS))
+@pytest.mark.parametrize('name', _known_gap(
+    _CALLS_CPP_WITH_XLA, "the counts' dedup runs in C++"))
 def test_impl_xla_compiles_to_a_step_without_cpp_calls(name):
   assert lazy_optax.kernel_status()['cpu_kernel'].available
   tx = XLA_OPTIMIZERS[name]()
@@ -113,7 +128,8 @@ def test_impl_xla_compiles_to_a_step_without_cpp_calls(name):
   assert _targets(auto.lower(params, state, ids).as_text())
 
 
-@pytest.mark.parametrize('name', sorted(XLA_OPTIMIZERS))
+@pytest.mark.parametrize('name', _known_gap(
+    _COPIES_A_COUNTER_TABLE, 'the int32 counter table is copied'))
 def test_multi_steps_on_xla_path_copies_no_table(name):
   """multi_steps over a rule on XLA's path compiles to a step that copies no
   table (the rule runs at every step, branch-free): a lax.cond that skipped

@@ -25,6 +25,7 @@ updates, `CASES` (one per optimizer) for the other properties:
 
 import dataclasses
 import functools
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -698,11 +699,37 @@ def test_sharded_on_8_devices(case, axis_type, eight_devices):
     assert out['resumed_after'] == 3
 
 
+# Rules whose learning rate enters the update nonlinearly (FTRL's proximal
+# step, rowwise_rmsprop_ar's shrink `lr * ar_alpha * I`): no `scale_by_`
+# form without it.
+_NO_SCALE_BY = {'ftrl', 'rowwise_rmsprop_ar'}
+
+
+def _public_of_rule_modules():
+  """The top level's functions defined in a rule module of a case."""
+  modules = {f'lazy_optax._src.{m}' for case in RULE_CASES
+             for m in case.rule_modules}
+  return [f for f in map(functools.partial(getattr, lazy_optax),
+                         lazy_optax.__all__)
+          if inspect.isfunction(f) and f.__module__ in modules]
+
+
 def test_every_optimizer_of_the_top_level_is_a_case():
-  names = {case.fn.__name__ for case in CASES}
-  optimizers = {'lazy_adam', 'rowwise_adagrad', 'partial_rowwise_adam',
-                'ftrl', 'adam_with_counter', 'rowwise_adagrad_with_counter',
-                'rowwise_rmsprop_ar'}
-  assert optimizers <= names
-  assert optimizers <= set(lazy_optax.__all__)
-  assert 'lazy_adamw' in {case.name for case in RULE_CASES}
+  # Read from lazy_optax.__all__: every optimizer `X(learning_rate, ...)`
+  # of a rule module is the optimizer of a case, every `scale_by_X` the
+  # scale_by of one, and each case of one rule has its scale_by_ form.
+  public = _public_of_rule_modules()
+  optimizers = {f.__name__ for f in public
+                if next(iter(inspect.signature(f).parameters)) ==
+                'learning_rate'}
+  assert {'lazy_adam', 'lazy_adamw', 'ftrl',
+          'rowwise_adagrad_with_counter'} <= optimizers
+  assert optimizers <= {case.fn.__name__ for case in RULE_CASES}
+  scale_bys = {f.__name__ for f in public
+               if f.__name__.startswith('scale_by_')}
+  assert scale_bys == {case.scale_by.__name__ for case in RULE_CASES
+                       if case.scale_by is not None}
+  for case in CASES:
+    if len(case.rule_modules) == 1 and case.name not in _NO_SCALE_BY:
+      assert case.scale_by is not None, case.name
+      assert case.scale_by.__module__.endswith(case.rule_modules[0])

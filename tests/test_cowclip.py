@@ -85,7 +85,7 @@ def test_cowclip_and_max_norm_on_bfloat16_tables(impl):
   tx = lazy_optax.lazy(optax.chain(
       lazy_optax.scale_by_rowwise_adagrad(impl=impl),
       optax.scale_by_learning_rate(0.3),
-      lazy_optax.row_max_norm(1.0, impl=impl)))
+      lazy_optax.row_max_norm(1.0)), impl=impl)
   params, _ = _train(tx, table, data, jnp.bfloat16)
   norms = np.linalg.norm(np.asarray(params['table'], np.float32), axis=1)
   touched = np.unique(np.concatenate([i for i, _ in data]))
@@ -241,9 +241,9 @@ def _max_norm_steps(table_dtype, update_dtype):
   ids = jnp.asarray(rng.integers(0, rows, 40))
   values = jnp.asarray(rng.normal(size=(40, width)), update_dtype)
   tx = lazy_optax.lazy(optax.chain(
-      lazy_optax.scale_by_rowwise_adagrad(impl='cpu_kernel'),
+      lazy_optax.scale_by_rowwise_adagrad(),
       optax.scale_by_learning_rate(0.4),
-      lazy_optax.row_max_norm(1.2, impl='cpu_kernel')))
+      lazy_optax.row_max_norm(1.2)))
   state = tx.init(params)
 
   def update(params):
@@ -309,7 +309,7 @@ def test_explain_update_names_the_rule_with_tables(impl):
   grads = {'table': SparseRows(jnp.array([1]), jnp.ones((1, 16)), R)}
   tx = lazy_optax.lazy(optax.chain(
       lazy_optax.scale_by_rowwise_adagrad(impl=impl),
-      lazy_optax.row_max_norm(1.0, impl=impl)))
+      lazy_optax.row_max_norm(1.0)), impl=impl)
   choice = lazy_optax.explain_update(tx, grads, tx.init(params), params)
   assert choice['table'].rule == 'rowwise_adagrad'
   assert choice['table'].impl == impl
@@ -317,3 +317,13 @@ def test_explain_update_names_the_rule_with_tables(impl):
                                   params).compile().as_text()
   assert 'LazyOptaxRowMaxNorm' not in text
   assert ('LazyOptaxRowwiseAdagrad' in text) == (impl == 'cpu_kernel')
+
+
+@pytest.mark.parametrize('impl', ['xla', 'generic', 'cpu_kernel'])
+def test_impl_of_a_rule_without_state_is_deprecated(impl):
+  with pytest.warns(DeprecationWarning, match='has no effect.*0.3'):
+    lazy_optax.row_max_norm(1.0, impl=impl)
+  with pytest.warns(DeprecationWarning, match='cowclip.*has no effect'):
+    lazy_optax.cowclip(impl=impl)
+  with pytest.raises(ValueError, match='impl'):
+    lazy_optax.row_max_norm(1.0, impl='fast')

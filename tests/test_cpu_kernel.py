@@ -246,24 +246,32 @@ def _rules_with_kernels():
   from lazy_optax._src import rowwise_adagrad  # pylint: disable=g-import-not-at-top
   from lazy_optax._src import rowwise_rmsprop_ar  # pylint: disable=g-import-not-at-top
   from lazy_optax._src import rowwise_adagrad_with_counter as counter  # pylint: disable=g-import-not-at-top
-  moments = dict(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, count=3)
+  moments = adam.AdamHyper(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
+                           count=jnp.int32(3))
   return [
       (adam._adam_rule(False), moments),  # pylint: disable=protected-access
       (adam._adam_rule(True), moments),  # pylint: disable=protected-access
-      (rowwise_adagrad._rule(True), dict(eps=1e-8, l2=0.1)),  # pylint: disable=protected-access
-      (partial_rowwise_adam._rule(), moments),  # pylint: disable=protected-access
-      (ftrl._rule(), dict(lr=0.1, power=0.5, l1=0.0, l2=0.0,  # pylint: disable=protected-access
-                          l2_shrinkage=0.0, beta=0.0)),
-      (rowwise_rmsprop_ar._rule(), dict(  # pylint: disable=protected-access
-          lr=0.1, ar_alpha=0.5, ema_beta=0.9, one_minus_beta=0.1,
-          min_shrinkage=0.1, eps=1e-8, step=jnp.int32(3))),
-      (cowclip._rule(), dict(coef=1.0, lower_bound=1e-5)),  # pylint: disable=protected-access
-      (row_max_norm._rule(), dict(max_norm=1.0)),  # pylint: disable=protected-access
+      (rowwise_adagrad._rule(True),  # pylint: disable=protected-access
+       rowwise_adagrad.RowwiseAdagradKernelHyper(eps=1e-8, l2=0.1)),
+      (partial_rowwise_adam._rule(),  # pylint: disable=protected-access
+       partial_rowwise_adam.PartialRowwiseAdamHyper(*moments)),
+      (ftrl._rule(), ftrl.FtrlKernelHyper(  # pylint: disable=protected-access
+          lr=0.1, power=0.5, l1=0.0, l2=0.0, l2_shrinkage=0.0, beta=0.0)),
+      (rowwise_rmsprop_ar._rule(),  # pylint: disable=protected-access
+       rowwise_rmsprop_ar.RowwiseRmspropArKernelHyper(
+           lr=0.1, ar_alpha=0.5, ema_beta=0.9, one_minus_beta=0.1,
+           min_shrinkage=0.1, eps=1e-8, step=jnp.int32(3))),
+      (cowclip._rule(),  # pylint: disable=protected-access
+       cowclip.CowClipKernelHyper(coef=1.0, lower_bound=1e-5)),
+      (row_max_norm._rule(),  # pylint: disable=protected-access
+       row_max_norm.RowMaxNormKernelHyper(max_norm=1.0)),
       (counter._rule(counter._Config(  # pylint: disable=protected-access
           eps=1e-8, decay_mode='adagradw', halflife=-1, adjustment_iter=-1,
           adjustment_ub=1.0, lr_mode='counter_sgd', tail_id_threshold=0.0,
           threshold_is_ratio=False)),
-       dict(count=jnp.int32(3), lr=0.1, wd=0.1, max_counter=1.0)),
+       counter.RowwiseAdagradCounterHyper(
+           count=jnp.int32(3), lr=0.1, wd=0.1,
+           max_counter=jnp.float32(1.0))),
   ]
 
 
@@ -343,8 +351,9 @@ def test_int32_counter_tables_are_read_and_written_exactly(v_dtype):
   ids = jnp.array([1, 2, 3, 4, 5, 6, 9, 0], jnp.int32)  # 9 names no row
   g = rng.normal(size=(8, w)).astype(np.float32)
   p = rng.normal(size=(8, w)).astype(np.float32)
-  hyper = dict(lr=1e-7, ar_alpha=2.0, ema_beta=0.9, one_minus_beta=0.1,
-               min_shrinkage=0.1, eps=1e-8, step=jnp.int32(step))
+  hyper = rowwise_rmsprop_ar.RowwiseRmspropArKernelHyper(
+      lr=1e-7, ar_alpha=2.0, ema_beta=0.9, one_minus_beta=0.1,
+      min_shrinkage=0.1, eps=1e-8, step=jnp.int32(step))
   record = rowwise_rmsprop_ar._rule().kernel_hyper(hyper)  # pylint: disable=protected-access
   h = cpu_kernels.pack(target, record)
   assert h.dtype == jnp.uint32
@@ -388,51 +397,3 @@ def test_int32_counter_tables_refuse_other_dtypes_by_position():
       0.1, 0.0, 0.9, 0.1, 0.1, 1e-8, 3.0)
   with pytest.raises(TypeError, match='int32 kernel field'):
     cpu_kernels.pack(target, record)
-
-
-def _counter_words(mode):
-  from lazy_optax._src import rowwise_adagrad_with_counter as counter  # pylint: disable=g-import-not-at-top
-  rule = counter._rule(counter._Config(  # pylint: disable=protected-access
-      eps=1e-8, decay_mode=mode, halflife=-1, adjustment_iter=-1,
-      adjustment_ub=1.0, lr_mode='equal', tail_id_threshold=0.0,
-      threshold_is_ratio=False))
-  assert rule.split_params == (mode != 'l2')
-  return cpu_kernels.pack(rule.kernel, rule.kernel_hyper(
-      dict(count=jnp.int32(3), lr=0.1, wd=0.5, max_counter=1.0)))
-
-
-def test_a_split_rule_kernel_returns_the_update_linear_in_the_weights():
-  # The counter rule's split target takes no weights: it returns the update
-  # as base + keep * w, equal to what its kernel given the weights returns;
-  # an id naming no row gets zeros; in 'l2' mode, whose accumulator sums
-  # (g + wd w)^2, it refuses.
-  assert lazy_optax.kernel_status()['cpu_kernel'].available
-  target = 'LazyOptaxRowwiseAdagradWithCounter'
-  rng = np.random.default_rng(0)
-  ids = jnp.array([4, 0, 9, 2], jnp.int32)  # 9 names no row
-  g = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
-  w = jnp.asarray(rng.normal(size=(4, 3)), jnp.float32)
-
-  def tables():
-    return (jnp.full((5,), 0.5, jnp.float32), jnp.ones((5,), jnp.float32),
-            jnp.array([0, 1, 0, 2, 1], jnp.int32))
-
-  words = _counter_words('adagradw')
-  new, u = cpu_kernels.rule(target, ids, g, words, w, tables())
-  split_new, base, keep = cpu_kernels.rule_split(target, ids, g, words,
-                                                 tables())
-  for a, b in zip(new, split_new):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-  np.testing.assert_allclose(np.asarray(base + keep[:, None] * w),
-                             np.asarray(u), rtol=1e-6, atol=1e-9)
-  assert float(keep[2]) == 0 and not np.asarray(base[2]).any()
-  # At step 3, row 4 was last updated at step 1 and row 0 never: gaps 2
-  # and 1, so AdagradW decays them by (1 - 0.1 * 0.5) ** gap.
-  np.testing.assert_allclose(np.asarray(keep)[[0, 1]],
-                             [0.95 ** 2 - 1, 0.95 - 1], rtol=1e-6)
-  with pytest.raises(Exception, match='split, for a configuration whose '
-                     'state reads the weights'):
-    jax.block_until_ready(cpu_kernels.rule_split(
-        target, ids, g, _counter_words('l2'), tables()))
-  with pytest.raises(ValueError, match='SPLIT_RULES|must be one of'):
-    cpu_kernels.rule_split('LazyOptaxAdam', ids, g, words, tables())

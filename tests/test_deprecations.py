@@ -85,7 +85,7 @@ def test_old_names_are_not_public_and_new_names_are():
     module, _, name = new.rpartition('.')
     assert name in importlib.import_module(module).__all__, new
   assert set(CORE) <= set(lazy_optax.__all__)
-  assert len(lazy_optax.__all__) == len(set(lazy_optax.__all__)) == 41
+  assert len(lazy_optax.__all__) == len(set(lazy_optax.__all__)) == 42
 
 
 def test_unknown_name_is_an_attribute_error_without_warning():

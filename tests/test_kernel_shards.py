@@ -10,6 +10,7 @@ import socket
 
 import eight_devices
 import fork_server
+from optimizer_cases import MESH_CASES
 
 # What the two processes start with (they need neither orbax nor more).
 _PRELOADED = ('numpy', 'jax', 'jax.numpy', 'optax', 'lazy_optax')
@@ -19,9 +20,9 @@ def test_each_device_updates_its_rows_with_the_kernel_equal_to_one_device():
   _, printed = eight_devices.call('kernel_shards', 'mesh_checks',
                                   with_stdout=True)
   ok = [line for line in printed.splitlines() if line.startswith('OK')]
-  assert ok == ['OK lazy_adam', 'OK lazy_adam_amsgrad',
-                'OK rowwise_adagrad_l2', 'OK partial_rowwise_adam',
-                'OK ftrl', 'OK lookup on an Explicit mesh'], printed
+  assert ok == [f'OK {case.name}' for case in MESH_CASES] + [
+      'OK lookup on an Explicit mesh'], printed
+  assert len(MESH_CASES) >= 5
 
 
 def _free_port():

@@ -5,12 +5,16 @@ implementation by tests/test_conformance.py (tests/optimizer_cases.py) and
 against FBGEMM by tests/test_fbgemm_counter_parity.py. Here: AdagradW's
 catch-up decays a rare row as dense training would, `max_counter` follows
 the largest counter, `reset_rows` gives fresh `IdTable` slots fresh
-counters, and bad arguments are refused by name.
+counters, bad arguments are refused by name, and
+`scale_by_rowwise_adagrad_with_counter` chained with the learning rate
+follows the model in every mode linear in it.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
+import optimizer_cases
 import pytest
 
 import lazy_optax
@@ -111,6 +115,28 @@ def test_bad_arguments_are_refused_by_name(kwargs, word):
     lazy_optax.rowwise_adagrad_with_counter(0.1, **kwargs)
 
 
+@pytest.mark.parametrize('name', [
+    'l2,halflife=3', 'decoupled,halflife=5', 'tail_id_lr_decrease,ratio',
+    'counter_sgd,decoupled'])
+def test_scale_by_chained_with_the_learning_rate_follows_the_model(name):
+  case = optimizer_cases.BY_NAME[f'rowwise_adagrad_with_counter({name})']
+  assert case.scale_by is lazy_optax.scale_by_rowwise_adagrad_with_counter
+  tx = lazy_optax.lazy(optax.chain(
+      case.scale_by(**case.kwargs), optax.scale_by_learning_rate(case.lr)))
+  table = optimizer_cases.table_for(case, seed=3)
+  data = optimizer_cases.batches(4, optimizer_cases.NUM_ROWS,
+                                 (optimizer_cases.D,), steps=8, n_ids=12)
+  params, state = optimizer_cases.run(tx, table, data)
+  optimizer_cases.assert_matches_model(
+      case, params, state, optimizer_cases.run_model(case, table, data))
+
+
+def test_scale_by_refuses_adagradw_whose_decay_is_not_linear_in_the_rate():
+  with pytest.raises(ValueError, match="'adagradw'.*learning_rate"):
+    lazy_optax.scale_by_rowwise_adagrad_with_counter(
+        weight_decay=0.1, counter_weight_decay_mode='adagradw')
+
+
 def test_decay_needs_params():
   tx = lazy_optax.rowwise_adagrad_with_counter(
       0.1, weight_decay=0.1, counter_weight_decay_mode='decoupled')
@@ -121,67 +147,14 @@ def test_decay_needs_params():
 
 
 def _kernel_steps(tx, num_rows):
-  """The step adding the update to the table the rule read (`FusedAdd`),
-  and the same step adding it to a copy of that table (the update rows,
-  scatter-added), which also returns the update rows."""
+  """The jitted step: update, then add the update to the table."""
 
-  def step(params, state, ids, values, copy):
+  def step(params, state, ids, values):
     g = SparseRows(ids, values, num_rows)
     updates, state = tx.update(g, state, params)
-    target = jnp.copy(params) if copy else params
-    return lazy_optax.apply_updates(target, updates), state, updates.values
+    return lazy_optax.apply_updates(params, updates), state
 
-  fused = jax.jit(lambda *a: step(*a, copy=False)[:2])
-  rows = jax.jit(lambda *a: step(*a, copy=True))
-  return fused, rows
-
-
-@pytest.mark.cpu_kernels
-@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
-@pytest.mark.parametrize('mode', ['adagradw', 'decoupled'])
-def test_decay_is_applied_inside_the_scatter_add_bit_for_bit(mode, dtype):
-  """On the CPU kernel, `apply_updates` computes the update's weight-decay
-  term from each parameter row it adds to (the step gathers no parameter
-  rows), with the bits of the update rows added the usual way."""
-  assert lazy_optax.kernel_status()['cpu_kernel'].available
-  num_rows, d = 50, 8
-  tx = lazy_optax.rowwise_adagrad_with_counter(
-      0.05, weight_decay=0.3, counter_weight_decay_mode=mode,
-      counter_halflife=-1 if mode == 'adagradw' else 4)
-  rng = np.random.default_rng(0)
-  table = jnp.asarray(rng.normal(size=(num_rows, d)), dtype)
-  state = tx.init(table)
-  fused, rows = _kernel_steps(tx, num_rows)
-  ids = jnp.array([3, 7, 3, 49, 0], jnp.int32)
-  values = jnp.asarray(rng.normal(size=(5, d)), dtype)
-  hlo = fused.lower(table, state, ids, values).compile().as_text()
-  assert 'LazyOptaxAddLinear' in hlo
-  table_shape = f'[{num_rows},{d}]'
-  # No gather reads the table (its rows are read where they are added).
-  assert not [line for line in hlo.splitlines()
-              if ('Gather' in line or ' gather(' in line)
-              and table_shape in line]
-  assert 'LazyOptaxAddLinear' not in rows.lower(
-      table, state, ids, values).compile().as_text()
-  [choice] = lazy_optax.explain_update(
-      tx, SparseRows(ids, values, num_rows), state, table).values()
-  assert choice.impl == 'cpu_kernel', choice
-  assert 'inside its scatter-add' in choice.reason, choice
-  a, b = (table, state), (table, state)
-  for step in range(4):
-    step_ids = ids if step % 2 == 0 else jnp.array([7, 8, 9, 10, 11],
-                                                   jnp.int32)
-    a = fused(*a, step_ids, values)
-    *b, u = rows(*b, step_ids, values)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-      np.testing.assert_array_equal(np.asarray(x, np.float32),
-                                    np.asarray(y, np.float32))
-  # The update rows are the rule's: the decay of row 7's weights and the
-  # gradient's step, nothing on the untouched rows.
-  untouched = np.setdiff1d(np.arange(num_rows), [0, 3, 7, 8, 9, 10, 11, 49])
-  np.testing.assert_array_equal(np.asarray(a[0], np.float32)[untouched],
-                                np.asarray(table, np.float32)[untouched])
-  assert np.all(np.asarray(u, np.float32) != 0)
+  return jax.jit(step), None
 
 
 @pytest.mark.cpu_kernels

@@ -1,4 +1,7 @@
-"""Rule modules stand alone: no rule module imports another.
+"""Rule modules stand alone, declare their kernel records as rows.cc does,
+and each has a case in tests/optimizer_cases.py.
+
+Rule modules stand alone: no rule module imports another.
 
 A rule module is one under `lazy_optax/_src` that builds a `fused.RowRule`
 or a `fused.stateless_rule`. Rules share helpers through common modules
@@ -10,7 +13,10 @@ import c` and relative imports.
 """
 
 import ast
+import collections
+import importlib
 import pathlib
+import re
 
 SRC = pathlib.Path(__file__).resolve().parent.parent / 'lazy_optax' / '_src'
 PACKAGE = 'lazy_optax._src'
@@ -98,3 +104,83 @@ def test_the_import_reader_sees_every_form():
   assert _imported_src_modules(ast.parse(source)) == {
       'ftrl', 'adam', 'fused', 'cowclip', 'rowwise_adagrad', 'row_max_norm',
       'partial_rowwise_adam'}
+
+
+# -- the kernel records against rows.cc, read from the source ----------------
+
+ROWS_CC = SRC / 'cpu_kernels' / 'rows.cc'
+_FIELDS_NAMED = re.compile(r"rows\.cc's `(\w+_FIELDS)`")
+
+
+def _cc_field_lists(source):
+  """`{X_FIELDS: (field, ...)}` for every FIELDS X-macro that a rule's
+  `LAZY_OPTAX_HYPER` declares, its int32 fields (`LAZY_OPTAX_INT`) too."""
+  source = source.replace('\\\n', ' ')
+  used = set(re.findall(r'LAZY_OPTAX_HYPER\((\w+)\)\s*\n', source))
+  lists = {}
+  for name, body in re.findall(r'#define (\w+_FIELDS)\(F\)(.*)', source):
+    lists[name] = tuple(
+        m.group(1) or m.group(2) for m in re.finditer(
+            r'\bF\((\w+)\)|LAZY_OPTAX_INT\(F,\s*(\w+)\)', body))
+  return {name: lists[name] for name in used}
+
+
+def _python_records():
+  """`{X_FIELDS: [record class, ...]}`: the NamedTuples of the rule modules
+  whose docstring says they are rows.cc's `X_FIELDS`."""
+  records = collections.defaultdict(list)
+  for name in sorted(_rule_modules()):
+    module = importlib.import_module(f'{PACKAGE}.{name}')
+    for value in vars(module).values():
+      if (isinstance(value, type) and issubclass(value, tuple)
+          and hasattr(value, '_fields') and value.__module__ == module.__name__):
+        for macro in _FIELDS_NAMED.findall(' '.join((value.__doc__ or '')
+                                                    .split())):
+          records[macro].append(value)
+  return records
+
+
+def test_each_kernel_record_has_the_fields_of_its_x_macro_in_order():
+  # Read from the sources, so that it holds without a built library
+  # (tests/test_cpu_kernel.py checks the loaded library's field names).
+  cc = _cc_field_lists(ROWS_CC.read_text())
+  assert len(cc) >= 8 and all(cc.values()), cc
+  records = _python_records()
+  assert sorted(records) == sorted(cc), (
+      'every Hyper X-macro of rows.cc needs one Python record whose docstring '
+      "names it (rows.cc's `X_FIELDS`)")
+  for macro, classes in records.items():
+    for cls in classes:
+      assert cls._fields == cc[macro], (cls.__qualname__, macro)
+
+
+def test_the_x_macro_reader_reads_int_fields_and_continued_lines():
+  source = ('#define A_FIELDS(F) F(b1) F(one_minus_b1) \\\n'
+            '  F(eps) LAZY_OPTAX_INT(F, step)\n'
+            'struct R {\n  LAZY_OPTAX_HYPER(A_FIELDS)\n};\n'
+            '#define UNUSED_FIELDS(F) F(x)\n')
+  assert _cc_field_lists(source) == {
+      'A_FIELDS': ('b1', 'one_minus_b1', 'eps', 'step')}
+
+
+# -- every rule has a case in the one registry of optimizers -----------------
+
+def test_every_rule_module_has_a_case_with_a_float64_model():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import optimizer_cases  # pylint: disable=g-import-not-at-top
+  covered = {}
+  for case in optimizer_cases.RULE_CASES:
+    for name in case.rule_modules:
+      covered.setdefault(name, case)
+  missing = sorted(_rule_modules() - set(covered))
+  assert not missing, (
+      f'rule modules without a Case in tests/optimizer_cases.py: {missing} '
+      '(add one, with its float64 model in tests/reference.py, and name the '
+      'module in its rule_modules)')
+  assert set(covered) <= _rule_modules(), sorted(set(covered)
+                                                 - _rule_modules())
+  table = np.ones((4, 3), np.float32)
+  for name, case in covered.items():
+    model = case.reference(table)
+    assert type(model).__module__ == 'reference', (name, type(model))
+    assert np.asarray(model.p).dtype == np.float64, name

@@ -18,17 +18,18 @@ C++ kernel on CPU, XLA's row update elsewhere, or `lazy`'s generic path
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import chex
+import jax
 import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
-from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import compute_dtype
+from lazy_optax._src.numerics import Mask
 from lazy_optax._src.numerics import one_minus_power
 
 
@@ -55,21 +56,40 @@ fused.declare(ScaleByLazyAMSGradState, fused.RuleFacts(
     'amsgrad', ('mu', 'nu', 'nu_max'), 'LazyOptaxAmsgrad'))
 
 
+class AdamHyper(NamedTuple):
+  """The Adam rule's hyperparameters at one step (`new_rows`, `step`)."""
+  b1: jax.typing.ArrayLike
+  b2: jax.typing.ArrayLike
+  eps: jax.typing.ArrayLike
+  eps_root: jax.typing.ArrayLike
+  count: chex.Array  # int32 scalar, the new global step
+
+
 class AdamKernelHyper(NamedTuple):
-  """The Adam kernel's hyperparameters: rows.cc's `ADAM_FIELDS`, in order."""
-  b1: Any
-  one_minus_b1: Any
-  b2: Any
-  one_minus_b2: Any
-  eps: Any
-  eps_root: Any
-  correction: Any  # sqrt(1 - b2^t) / (1 - b1^t)
+  """The Adam kernel's record: rows.cc's `ADAM_FIELDS`, in order, made from
+  an `AdamHyper` by `_kernel_hyper`."""
+  b1: jax.typing.ArrayLike
+  one_minus_b1: jax.typing.ArrayLike
+  b2: jax.typing.ArrayLike
+  one_minus_b2: jax.typing.ArrayLike
+  eps: jax.typing.ArrayLike
+  eps_root: jax.typing.ArrayLike
+  correction: jax.Array  # sqrt(1 - b2^t) / (1 - b1^t)
 
 
-def _bias_correction(b1: Any, b2: Any, count: Any, dtype: Any) -> Any:
+def _bias_correction(b1: jax.typing.ArrayLike, b2: jax.typing.ArrayLike,
+                     count: jax.Array, dtype: jax.typing.DTypeLike
+                     ) -> jax.Array:
   """TensorFlow's step-size correction `sqrt(1 - b2^t) / (1 - b1^t)`."""
   return (jnp.sqrt(one_minus_power(b2, count, dtype))
           / one_minus_power(b1, count, dtype))
+
+
+def _kernel_hyper(h: AdamHyper) -> AdamKernelHyper:
+  """The kernel's record: `1 - b` and the correction computed once."""
+  return AdamKernelHyper(
+      h.b1, 1 - h.b1, h.b2, 1 - h.b2, h.eps, h.eps_root,
+      _bias_correction(h.b1, h.b2, h.count, jnp.float32))
 
 
 def _second_moment(amsgrad: bool) -> str:
@@ -77,14 +97,11 @@ def _second_moment(amsgrad: bool) -> str:
 
 
 def _adam_rule(amsgrad: bool) -> fused.RowRule:
-  """TensorFlow's Adam rule (epsilon hat) as a `RowRule`.
+  """TensorFlow's Adam rule (epsilon hat) as a `RowRule` of an `AdamHyper`."""
 
-  `hyper` is `dict(b1, b2, eps, eps_root, count)`, `count` the new step.
-  """
-
-  def new_rows(g, rows, params, hyper):
+  def new_rows(g, rows, params, hyper: AdamHyper):
     del params
-    b1, b2 = hyper['b1'], hyper['b2']
+    b1, b2 = hyper.b1, hyper.b2
     dtype = compute_dtype(*(x.dtype for x in (g, *rows.values())))
     g = g.astype(dtype)
     new = {'mu': b1 * rows['mu'].astype(dtype) + (1 - b1) * g,
@@ -93,26 +110,19 @@ def _adam_rule(amsgrad: bool) -> fused.RowRule:
       new['nu_max'] = jnp.maximum(rows['nu_max'].astype(dtype), new['nu'])
     return new
 
-  def step(g, stored, params, hyper):
+  def step(g, stored, params, hyper: AdamHyper):
     del g, params
     m, v = stored['mu'], stored[_second_moment(amsgrad)]
     dtype = compute_dtype(m.dtype, v.dtype)
-    correction = _bias_correction(hyper['b1'], hyper['b2'], hyper['count'],
-                                  dtype)
-    denom = jnp.sqrt(v.astype(dtype) + hyper['eps_root']) + hyper['eps']
+    correction = _bias_correction(hyper.b1, hyper.b2, hyper.count, dtype)
+    denom = jnp.sqrt(v.astype(dtype) + hyper.eps_root) + hyper.eps
     return correction * m.astype(dtype) / denom
-
-  def kernel_hyper(hyper):
-    b1, b2 = hyper['b1'], hyper['b2']
-    return AdamKernelHyper(
-        b1, 1 - b1, b2, 1 - b2, hyper['eps'], hyper['eps_root'],
-        _bias_correction(b1, b2, hyper['count'], jnp.float32))
 
   if amsgrad:
     return fused.RowRule('amsgrad', new_rows, step, ('mu', 'nu', 'nu_max'),
-                         'LazyOptaxAmsgrad', kernel_hyper)
+                         'LazyOptaxAmsgrad', _kernel_hyper)
   return fused.RowRule('adam', new_rows, step, ('mu', 'nu'), 'LazyOptaxAdam',
-                       kernel_hyper)
+                       _kernel_hyper)
 
 
 def epsilon_hat_adam(
@@ -121,8 +131,8 @@ def epsilon_hat_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    mu_dtype: Optional[Any] = None,
-    nu_dtype: Optional[Any] = None,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
     amsgrad: bool = False,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
@@ -176,10 +186,9 @@ def epsilon_hat_adam(
     tables = {'mu': state.mu, 'nu': state.nu}
     if amsgrad:
       tables['nu_max'] = state.nu_max
+    hyper = AdamHyper(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count)
     new_updates, new = fused.apply_rule(
-        rule, updates, tables, None,
-        dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count), impl,
-        context=row_context.context_of(extra_args))
+        rule, updates, tables, None, hyper, impl)
     if amsgrad:
       return new_updates, ScaleByLazyAMSGradState(count, **new)
     return new_updates, ScaleByLazyAdamState(count, **new)
@@ -192,9 +201,9 @@ def scale_by_lazy_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    mu_dtype: Optional[Any] = None,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
     *,
-    nu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
     amsgrad: bool = False,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
@@ -238,7 +247,7 @@ def scale_by_lazy_adam(
       non_negative=dict(eps=eps, eps_root=eps_root))
   return lazy(epsilon_hat_adam(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-      nu_dtype=nu_dtype, amsgrad=amsgrad, impl=impl))
+      nu_dtype=nu_dtype, amsgrad=amsgrad, impl=impl), impl=impl)
 
 
 def lazy_adam(
@@ -247,9 +256,9 @@ def lazy_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    mu_dtype: Optional[Any] = None,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
     *,
-    nu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
     amsgrad: bool = False,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
@@ -300,7 +309,7 @@ def lazy_adam(
       epsilon_hat_adam(b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                        mu_dtype=mu_dtype, nu_dtype=nu_dtype, amsgrad=amsgrad,
                        impl=impl),
-      optax.scale_by_learning_rate(learning_rate)))
+      optax.scale_by_learning_rate(learning_rate)), impl=impl)
 
 
 def lazy_adamw(
@@ -309,11 +318,11 @@ def lazy_adamw(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    mu_dtype: Optional[Any] = None,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
     weight_decay: float = 1e-4,
-    mask: Optional[Any] = None,
+    mask: Optional[Mask] = None,
     *,
-    nu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
     amsgrad: bool = False,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
@@ -360,4 +369,4 @@ def lazy_adamw(
                        mu_dtype=mu_dtype, nu_dtype=nu_dtype, amsgrad=amsgrad,
                        impl=impl),
       optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate)))
+      optax.scale_by_learning_rate(learning_rate)), impl=impl)

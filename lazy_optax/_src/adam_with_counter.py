@@ -37,7 +37,7 @@ would have (at the current learning rate).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import chex
 import jax
@@ -45,11 +45,11 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
-from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
+from lazy_optax._src.numerics import Mask
 from lazy_optax._src.numerics import mask_leaves
 from lazy_optax._src.numerics import one_minus_power
 from lazy_optax._src.numerics import per_row_full
@@ -71,7 +71,7 @@ fused.declare(ScaleByAdamWithCounterState, fused.RuleFacts(
     'adam_with_counter', ('mu', 'nu', 'row_count', 'last_step')))
 
 
-def _no_decay(weight_decay: Any) -> bool:
+def _no_decay(weight_decay: jax.typing.ArrayLike) -> bool:
   """Whether weight decay is off: a Python 0 (an array, such as one that
   `optax.inject_hyperparams` passes, may change, so it counts as on)."""
   return isinstance(weight_decay, (int, float)) and weight_decay == 0
@@ -100,6 +100,14 @@ class _Config(NamedTuple):
   decay_skipped_steps: bool
 
 
+class AdamWithCounterHyper(NamedTuple):
+  """The rule's hyperparameters at one step, for one leaf (`new_rows`,
+  `step`); the others are the rule's `_Config`."""
+  count: chex.Array  # int32 scalar, the new global step
+  lr: Optional[jax.typing.ArrayLike]  # None: no learning rate applied
+  decay: bool  # whether this leaf decays
+
+
 class _RowLeaf(NamedTuple):
   """One parameter's gradient, state rows and (for weight decay) rows."""
   grad: jax.Array
@@ -107,11 +115,12 @@ class _RowLeaf(NamedTuple):
   nu: jax.Array
   row_count: jax.Array
   last_step: jax.Array
-  param: Any
+  param: Optional[jax.Array]  # None where the rule reads no params
   decay: bool
 
 
-def _moments(leaf: _RowLeaf, count: jax.Array, cfg: _Config, dtype: Any
+def _moments(leaf: _RowLeaf, count: jax.Array, cfg: _Config,
+             dtype: jax.typing.DTypeLike
              ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """New moments and row count, after catching up on absent steps."""
   g, m, v = (x.astype(dtype) for x in (leaf.grad, leaf.mu, leaf.nu))
@@ -130,7 +139,7 @@ def _moments(leaf: _RowLeaf, count: jax.Array, cfg: _Config, dtype: Any
 
 
 def _scaled_step(m: jax.Array, v: jax.Array, steps: jax.Array, cfg: _Config,
-                 dtype: Any) -> jax.Array:
+                 dtype: jax.typing.DTypeLike) -> jax.Array:
   """The bias-corrected Adam direction with epsilon hat."""
   correction = (jnp.sqrt(one_minus_power(cfg.b2, steps, dtype))
                 / one_minus_power(cfg.b1, steps, dtype))
@@ -138,9 +147,10 @@ def _scaled_step(m: jax.Array, v: jax.Array, steps: jax.Array, cfg: _Config,
                                               + cfg.eps)
 
 
-def _apply_lr_and_decay(step: jax.Array, leaf: _RowLeaf, lr: Any,
+def _apply_lr_and_decay(step: jax.Array, leaf: _RowLeaf,
+                        lr: jax.typing.ArrayLike,
                         since: jax.Array, cfg: _Config,
-                        dtype: Any) -> jax.Array:
+                        dtype: jax.typing.DTypeLike) -> jax.Array:
   """`-lr * step`, minus decoupled weight decay (over skipped steps too)."""
   lr_d = jnp.asarray(lr, dtype)
   step = -lr_d * step
@@ -154,7 +164,8 @@ def _apply_lr_and_decay(step: jax.Array, leaf: _RowLeaf, lr: Any,
   return step - rate * p
 
 
-def _update_leaf(leaf: _RowLeaf, count: jax.Array, lr: Any, cfg: _Config
+def _update_leaf(leaf: _RowLeaf, count: jax.Array,
+                 lr: Optional[jax.typing.ArrayLike], cfg: _Config
                  ) -> tuple[jax.Array, tuple[jax.Array, ...]]:
   """One parameter's update and new state leaves (mu, nu, counts)."""
   dtype = compute_dtype(leaf.grad.dtype, leaf.mu.dtype, leaf.nu.dtype)
@@ -171,43 +182,44 @@ def _update_leaf(leaf: _RowLeaf, count: jax.Array, lr: Any, cfg: _Config
 
 
 def _row_rule(cfg: _Config, needs_params: bool) -> fused.RowRule:
-  """The per-row rule as a `RowRule` (no CPU kernel: 'generic' or 'xla').
+  """The per-row rule as a `RowRule` of an `AdamWithCounterHyper` (no CPU
+  kernel: 'generic' or 'xla').
 
-  `hyper` is `dict(count, lr, decay)`: the new global step, the learning
-  rate (None: none applied) and whether this leaf decays. The step reads the
-  old rows (the steps since a row's last update, and the moments before
-  they are rounded to their dtypes).
+  The step reads the old rows (the steps since a row's last update, and the
+  moments before they are rounded to their dtypes).
   """
 
-  def leaf(g, rows, params, hyper) -> _RowLeaf:
+  def leaf(g, rows, params, hyper: AdamWithCounterHyper) -> _RowLeaf:
     return _RowLeaf(grad=g, mu=rows['mu'], nu=rows['nu'],
                     row_count=rows['row_count'],
                     last_step=rows['last_step'], param=params,
-                    decay=hyper['decay'])
+                    decay=hyper.decay)
 
-  def new_rows(g, rows, params, hyper):
+  def new_rows(g, rows, params, hyper: AdamWithCounterHyper):
     _, (mu, nu, row_count, last_step) = _update_leaf(
-        leaf(g, rows, params, hyper), hyper['count'], None, cfg)
+        leaf(g, rows, params, hyper), hyper.count, None, cfg)
     return {'mu': mu, 'nu': nu, 'row_count': row_count,
             'last_step': last_step}
 
-  def step(g, stored, params, hyper, rows):
+  def step(g, stored, params, hyper: AdamWithCounterHyper, rows):
     del stored
-    return _update_leaf(leaf(g, rows, params, hyper), hyper['count'],
-                        hyper['lr'], cfg)[0]
+    return _update_leaf(leaf(g, rows, params, hyper), hyper.count,
+                        hyper.lr, cfg)[0]
 
   return fused.RowRule('adam_with_counter', new_rows, step,
                        ('mu', 'nu', 'row_count', 'last_step'),
                        needs_params=needs_params, step_reads_old_rows=True)
 
 
-def _row_counters(p: Any) -> jax.Array:
+def _row_counters(p: jax.Array) -> jax.Array:
   """A zero int32 counter per row of `p` (a scalar for a scalar)."""
   return per_row_full(p, jnp.int32)
 
 
-def _init_state(params: Any, mu_dtype: Optional[Any],
-                nu_dtype: Optional[Any]) -> ScaleByAdamWithCounterState:
+def _init_state(params: optax.Params,
+                mu_dtype: Optional[jax.typing.DTypeLike],
+                nu_dtype: Optional[jax.typing.DTypeLike]
+                ) -> ScaleByAdamWithCounterState:
   """The state before the first step: zero moments, counts and steps."""
   return ScaleByAdamWithCounterState(
       count=jnp.zeros([], jnp.int32),
@@ -222,12 +234,13 @@ class _Settings(NamedTuple):
   rule: fused.RowRule
   learning_rate: Optional[optax.ScalarOrSchedule]  # None: none applied
   decays_on: bool  # whether weight decay is on (the rule reads params)
-  mask: Optional[Union[Any, Callable[[Any], Any]]]
+  mask: Optional[Mask]
   impl: str
 
 
 def _learning_rate_at(learning_rate: Optional[optax.ScalarOrSchedule],
-                      count: jax.Array) -> Any:
+                      count: jax.Array
+                      ) -> Optional[jax.typing.ArrayLike]:
   """The learning rate at the global step `count` (None: none applied)."""
   if learning_rate is None:
     return None
@@ -235,7 +248,8 @@ def _learning_rate_at(learning_rate: Optional[optax.ScalarOrSchedule],
           else learning_rate)
 
 
-def _decays(mask: Any, updates: Any, params: Any) -> Any:
+def _decays(mask: Optional[Mask], updates: optax.Updates,
+            params: Optional[optax.Params]) -> list[bool]:
   """Which leaves decay (weight decay on): `mask` over the parameters."""
   if params is None:
     raise ValueError(
@@ -244,29 +258,28 @@ def _decays(mask: Any, updates: Any, params: Any) -> Any:
   return mask_leaves(mask, params, jax.tree.structure(updates))
 
 
-def _leaf_hyper(decays: Any, i: int, hyper: dict[str, Any]
-                ) -> dict[str, Any]:
+def _leaf_hyper(decays: Optional[list[bool]], i: int,
+                hyper: AdamWithCounterHyper) -> AdamWithCounterHyper:
   """`hyper` for leaf `i`: whether it decays."""
-  return dict(hyper, decay=decays is not None and bool(decays[i]))
+  return hyper._replace(decay=decays is not None and bool(decays[i]))
 
 
-def _update(settings: _Settings, updates: Any,
-            state: ScaleByAdamWithCounterState, params: Any,
-            extra_args: dict[str, Any]
-            ) -> tuple[Any, ScaleByAdamWithCounterState]:
+def _update(settings: _Settings, updates: optax.Updates,
+            state: ScaleByAdamWithCounterState,
+            params: Optional[optax.Params], extra_args: dict[str, object]
+            ) -> tuple[optax.Updates, ScaleByAdamWithCounterState]:
   """One step of the rule on every leaf (fused inside `lazy(...)`)."""
   count = optax.safe_increment(state.count)
   lr = _learning_rate_at(settings.learning_rate, state.count)
   decays = (_decays(settings.mask, updates, params) if settings.decays_on
             else None)
+  hyper = AdamWithCounterHyper(count=count, lr=lr, decay=False)
   new_updates, new = fused.apply_rule(
       settings.rule, updates, {'mu': state.mu, 'nu': state.nu,
                                'row_count': state.row_count,
                                'last_step': state.last_step},
-      params if settings.decays_on else None,
-      dict(count=count, lr=lr, decay=False), settings.impl,
-      leaf_hyper=functools.partial(_leaf_hyper, decays),
-      context=row_context.context_of(extra_args))
+      params if settings.decays_on else None, hyper, settings.impl,
+      leaf_hyper=functools.partial(_leaf_hyper, decays))
   return new_updates, ScaleByAdamWithCounterState(count, **new)
 
 
@@ -276,13 +289,13 @@ def _adam_with_counter_rule(
     b2: float,
     eps: float,
     eps_root: float,
-    mu_dtype: Optional[Any],
-    nu_dtype: Optional[Any],
+    mu_dtype: Optional[jax.typing.DTypeLike],
+    nu_dtype: Optional[jax.typing.DTypeLike],
     bias_correction: str,
     catch_up: bool,
     learning_rate: Optional[optax.ScalarOrSchedule] = None,
     weight_decay: float = 0.0,
-    mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    mask: Optional[Mask] = None,
     decay_skipped_steps: bool = False,
     impl: str = 'auto',
     fn: str = 'scale_by_adam_with_counter',
@@ -312,9 +325,9 @@ def scale_by_adam_with_counter(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    mu_dtype: Optional[Any] = None,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
     *,
-    nu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
     bias_correction: str = 'per_row',
     catch_up: bool = False,
     impl: str = 'auto',
@@ -365,7 +378,7 @@ def scale_by_adam_with_counter(
   return lazy(_adam_with_counter_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
       nu_dtype=nu_dtype, bias_correction=bias_correction, catch_up=catch_up,
-      impl=impl))
+      impl=impl), impl=impl)
 
 
 def adam_with_counter(
@@ -374,11 +387,11 @@ def adam_with_counter(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    mu_dtype: Optional[Any] = None,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
     weight_decay: float = 0.0,
-    mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    mask: Optional[Mask] = None,
     *,
-    nu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
     bias_correction: str = 'per_row',
     catch_up: bool = False,
     decay_skipped_steps: bool = False,
@@ -440,4 +453,4 @@ def adam_with_counter(
       nu_dtype=nu_dtype, bias_correction=bias_correction, catch_up=catch_up,
       learning_rate=learning_rate, weight_decay=weight_decay, mask=mask,
       decay_skipped_steps=decay_skipped_steps, impl=impl,
-      fn='adam_with_counter'))
+      fn='adam_with_counter'), impl=impl)

@@ -17,13 +17,16 @@ and compare it bit for bit with the skipping one.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, TypeVar
 
+import chex
 import jax
 
+_T = TypeVar('_T')
 
-def per_platform(skipping: Callable[..., Any], branch_free: Callable[..., Any],
-                 *args: Any) -> Any:
+
+def per_platform(skipping: Callable[..., _T], branch_free: Callable[..., _T],
+                 *args: chex.ArrayTree) -> _T:
   """`skipping(*args)` lowered for the CPU, `branch_free(*args)` elsewhere.
 
   Args:

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import functools
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, ParamSpec, TypeVar
 
+import chex
 import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
@@ -26,9 +27,12 @@ from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
 
+_P = ParamSpec('_P')
+_T = TypeVar('_T')
+
 # -- checked mode for ids under jit -------------------------------------------
 
-def check_ids_in_range(tree: Any) -> None:
+def check_ids_in_range(tree: chex.ArrayTree) -> None:
   """Records `checkify` checks that `SparseRows` ids are intact and in range.
 
   Under `jax.jit` an out-of-range id (a negative one too), or ids damaged by
@@ -106,7 +110,8 @@ def _check(ok: jax.Array, message: str, what: str = '',
   checkify.check(ok, message, **fields)
 
 
-def check_id_table_room(no_room: Any, live: Any, capacity: int) -> None:
+def check_id_table_room(no_room: jax.Array, live: jax.Array,
+                        capacity: int) -> None:
   """Records a `checkify` check that every looked-up id got a row.
 
   Used by `IdTable(checked=True).assign`: lookups left without a row for
@@ -183,7 +188,8 @@ def with_id_checks(
   return optax.GradientTransformationExtraArgs(inner.init, update_fn)
 
 
-def _reported(path: Any, leaf: Any) -> Any:
+def _reported(path: jax.tree_util.KeyPath,
+              leaf: chex.ArrayTree) -> chex.ArrayTree:
   if not isinstance(leaf, SparseRows):
     return leaf
   ids = leaf.safe_ids(f'parameter {path_name(path)}', report=False)
@@ -203,7 +209,7 @@ class CheckError(damage.StepError):
   """
 
 
-def checked(fn: Callable[..., Any]) -> Callable[..., Any]:
+def checked(fn: Callable[_P, _T]) -> Callable[_P, _T]:
   """Runs `fn` with its `checkify` checks and raises if one failed.
 
   `fn` may be jitted (with donated arguments) or not; the checks recorded by

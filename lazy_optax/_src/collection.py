@@ -11,10 +11,12 @@ table-batched embeddings, jax-tpu-embedding's stacked tables).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Mapping, Optional, Sequence, Union
+from typing import Callable, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
 import optax
 
 from lazy_optax._src import collection_lookup as _lookup
@@ -23,6 +25,7 @@ from lazy_optax._src import collection_plan as _plan
 from lazy_optax._src.collection_plan import FeatureSpec
 from lazy_optax._src.collection_plan import Stack
 from lazy_optax._src.collection_plan import TableSpec
+from lazy_optax._src.id_table import FreshRows
 
 Transform = Union[optax.GradientTransformation,
                   Callable[[float], optax.GradientTransformation]]
@@ -213,11 +216,11 @@ class EmbeddingCollection:
 
   # -- lookups -------------------------------------------------------------
   def lookup(self, params: Mapping[str, jax.Array],
-             ids_by_feature: Mapping[str, Any], *,
-             lengths: Optional[Mapping[str, Any]] = None,
-             masks: Optional[Mapping[str, Any]] = None,
-             weights: Optional[Mapping[str, Any]] = None,
-             dtype: Any = None) -> dict[str, jax.Array]:
+             ids_by_feature: Mapping[str, ArrayLike], *,
+             lengths: Optional[Mapping[str, ArrayLike]] = None,
+             masks: Optional[Mapping[str, ArrayLike]] = None,
+             weights: Optional[Mapping[str, ArrayLike]] = None,
+             dtype: Optional[DTypeLike] = None) -> dict[str, jax.Array]:
     """Each feature's rows, with one read (one gradient) per stack.
 
     Single-id features return `ids.shape + (width,)` as `lazy_optax.lookup`;
@@ -250,9 +253,9 @@ class EmbeddingCollection:
                                     slots, dtype))
     return {f.name: out[f.name] for f in self.feature_specs if f.name in out}
 
-  def check_ids(self, ids_by_feature: Mapping[str, Any], *,
-                lengths: Optional[Mapping[str, Any]] = None,
-                masks: Optional[Mapping[str, Any]] = None) -> None:
+  def check_ids(self, ids_by_feature: Mapping[str, ArrayLike], *,
+                lengths: Optional[Mapping[str, ArrayLike]] = None,
+                masks: Optional[Mapping[str, ArrayLike]] = None) -> None:
     """Records `checkify` checks that every real id fits its own table.
 
     The checked mode for `lookup` under `jax.jit`: call it in the step run
@@ -270,8 +273,10 @@ class EmbeddingCollection:
       for s in slots:
         _lookup.check_slots(s)
 
-  def _slots(self, ids_by_feature: Mapping[str, Any],
-             extras: Mapping[str, Any]) -> list[tuple[Stack, list[Any]]]:
+  def _slots(
+      self, ids_by_feature: Mapping[str, ArrayLike],
+      extras: Mapping[str, Optional[Mapping[str, ArrayLike]]],
+  ) -> list[tuple[Stack, list[_lookup._Slots]]]:
     """The checked slots of the features given, grouped by stack."""
     known = {f.name: f for f in self.feature_specs}
     for name in ids_by_feature:
@@ -292,8 +297,8 @@ class EmbeddingCollection:
         out.append((stack, slots))
     return out
 
-  def fresh_rows(self, fresh_by_table: Mapping[str, Any], *,
-                 prefix: str = '') -> dict[str, Any]:
+  def fresh_rows(self, fresh_by_table: Mapping[str, FreshRows], *,
+                 prefix: str = '') -> dict[str, FreshRows]:
     """The `FreshRows` of per-table `IdTable` objects, as rows of stacks.
 
     With one `lazy_optax.IdTable` per hashed table (its capacity the
@@ -376,8 +381,8 @@ class EmbeddingCollection:
     """
     return _optim.collection_optimizer(self, transforms, by='table')
 
-  def state_tables(self, state: Any, transforms: Mapping[str, Transform]
-                   ) -> Any:
+  def state_tables(self, state: optax.OptState,
+                   transforms: Mapping[str, Transform]) -> optax.OptState:
     """The state of `table_optimizer(transforms)` from `optimizer`'s state.
 
     Each table's state rows are sliced from its stack's; the state shared by
@@ -392,8 +397,9 @@ class EmbeddingCollection:
     """
     return _optim.state_to_tables(self, state, transforms)
 
-  def state_from_tables(self, state: Any, transforms: Mapping[str, Transform]
-                        ) -> Any:
+  def state_from_tables(self, state: optax.OptState,
+                        transforms: Mapping[str, Transform]
+                        ) -> optax.OptState:
     """The state of `optimizer(transforms)` from `table_optimizer`'s state.
 
     Each stack's state rows are its tables' concatenated; the state its

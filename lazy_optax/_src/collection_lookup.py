@@ -23,11 +23,13 @@ gradient sums a row's repeated ids in that order.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Mapping, Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import jax
 from jax.experimental import checkify
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
 import numpy as np
 
 from lazy_optax._src import lookups
@@ -56,8 +58,9 @@ def where_of(feature: FeatureSpec) -> str:
   return f'{CALLER} of table {feature.table} (feature {feature.name})'
 
 
-def _extras(spec: FeatureSpec, extras: Mapping[str, Mapping[str, Any]],
-            where: str) -> dict[str, Any]:
+def _extras(spec: FeatureSpec,
+            extras: Mapping[str, Optional[Mapping[str, ArrayLike]]],
+            where: str) -> dict[str, ArrayLike]:
   """The feature's `lengths`, `masks` and `weights` (single ids take none)."""
   given = {k: v[spec.name] for k, v in extras.items()
            if v is not None and spec.name in v}
@@ -68,8 +71,9 @@ def _extras(spec: FeatureSpec, extras: Mapping[str, Mapping[str, Any]],
   return given
 
 
-def feature_slots(spec: FeatureSpec, raw: Any, stack: Stack,
-                  extras: Mapping[str, Mapping[str, Any]]) -> _Slots:
+def feature_slots(
+    spec: FeatureSpec, raw: ArrayLike, stack: Stack,
+    extras: Mapping[str, Optional[Mapping[str, ArrayLike]]]) -> _Slots:
   """Checks one feature's ids and finds its real slots."""
   where = where_of(spec)
   offset, rows = stack.span(spec.table)
@@ -101,7 +105,7 @@ def _runs(slots: Sequence[_Slots]) -> list[list[_Slots]]:
   return runs
 
 
-def _stack_ids(run: Sequence[_Slots], id_dtype: Any) -> jax.Array:
+def _stack_ids(run: Sequence[_Slots], id_dtype: DTypeLike) -> jax.Array:
   """The run's ids as stack rows `[*shape, k]`; ids outside their table -1."""
   ids = jnp.stack([s.ids.astype(id_dtype) for s in run], axis=-1)
   shape = (len(run),)
@@ -139,8 +143,8 @@ def _pool(s: _Slots, rows: jax.Array) -> jax.Array:
                                 s.spec.mode)
 
 
-def read_stack(table: Any, stack: Stack, slots: Sequence[_Slots],
-               dtype: Any) -> dict[str, jax.Array]:
+def read_stack(table: ArrayLike, stack: Stack, slots: Sequence[_Slots],
+               dtype: Optional[DTypeLike]) -> dict[str, jax.Array]:
   """Every feature of one stack, in one gather of `table` (the stack)."""
   runs = _runs(slots)
   id_dtype = index_dtype(stack.rows + 1)

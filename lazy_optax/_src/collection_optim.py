@@ -13,10 +13,11 @@ entry per stack row is its tables' leaves concatenated; any other leaf
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+from typing import Callable, Mapping, NamedTuple, Sequence, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 import numpy as np
 import optax
 
@@ -26,8 +27,14 @@ from lazy_optax._src.labels import path_labels
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
 
+if TYPE_CHECKING:
+  from typing_extensions import TypeIs
 
-def stack_param(params: Mapping[str, Any], stack: Stack) -> Any:
+  from lazy_optax._src.collection import EmbeddingCollection
+  from lazy_optax._src.collection import Transform
+
+
+def stack_param(params: optax.Params, stack: Stack) -> jax.Array:
   """`params[stack.name]`, or a `ValueError` naming the missing stack."""
   if not isinstance(params, Mapping) or stack.name not in params:
     keys = list(params) if isinstance(params, Mapping) else type(params)
@@ -37,8 +44,8 @@ def stack_param(params: Mapping[str, Any], stack: Stack) -> Any:
   return params[stack.name]
 
 
-def stack_arrays(collection: Any, tables: Mapping[str, Any]
-                 ) -> dict[str, jax.Array]:
+def stack_arrays(collection: EmbeddingCollection,
+                 tables: Mapping[str, ArrayLike]) -> dict[str, jax.Array]:
   """`{stack name: array}` from `{table name: array}` (each checked)."""
   specs = {t.name: t for t in collection.table_specs}
   unknown = sorted(set(tables) - set(specs))
@@ -70,7 +77,8 @@ def _row_factors(stack: Stack, multipliers: tuple[float, ...], ids: jax.Array
   return jnp.asarray(multipliers, jnp.float32)[table]
 
 
-def _scaled_leaf(stack: Stack, multipliers: tuple[float, ...], u: Any) -> Any:
+def _scaled_leaf(stack: Stack, multipliers: tuple[float, ...],
+                 u: jax.Array | SparseRows) -> jax.Array | SparseRows:
   if isinstance(u, SparseRows):
     ids = u.safe_ids(f'updates of stack {stack.name}', report=False)
     factor = _row_factors(stack, multipliers, ids)
@@ -108,12 +116,14 @@ def scale_rows_by_table(stack: Stack, multipliers: tuple[float, ...]
 
 # -- the optimizers -----------------------------------------------------------
 
-def _is_factory(entry: Any) -> bool:
+def _is_factory(
+    entry: Transform,
+) -> TypeIs[Callable[[float], optax.GradientTransformation]]:
   return callable(entry) and not isinstance(entry,
                                             optax.GradientTransformation)
 
 
-def _transform(entry: Any, label: str, where: str,
+def _transform(entry: Transform, label: str, where: str,
                multipliers: tuple[float, ...], stack: Stack,
                linear: bool) -> optax.GradientTransformation:
   """The transformation of a stack (or a table) of `multipliers`."""
@@ -137,7 +147,8 @@ def _last_key(name: str) -> str:
   return name.rsplit('/', 1)[-1]
 
 
-def collection_optimizer(collection: Any, transforms: Mapping[str, Any],
+def collection_optimizer(collection: EmbeddingCollection,
+                         transforms: Mapping[str, Transform],
                          by: str) -> optax.GradientTransformation:
   """`optax.partition` of the stacks (`by='stack'`) or tables (`'table'`)."""
   labels = {t.optimizer for t in collection.table_specs}
@@ -174,8 +185,8 @@ def collection_optimizer(collection: Any, transforms: Mapping[str, Any],
 # -- the state, per table -----------------------------------------------------
 
 class _Shapes(NamedTuple):
-  stack: Any    # the stack's leaf (array or ShapeDtypeStruct)
-  table: Any    # the table's
+  stack: jax.Array | jax.ShapeDtypeStruct   # the stack's leaf
+  table: jax.Array | jax.ShapeDtypeStruct   # the table's
   rows: tuple[int, int]  # (stack rows, table rows)
 
 
@@ -192,7 +203,7 @@ def _is_row_leaf(s: _Shapes, where: str) -> bool:
                    'shared; the state does not come from these optimizers.')
 
 
-def _inner(state: Any, key: str, where: str) -> list[Any]:
+def _inner(state: optax.OptState, key: str, where: str) -> list[jax.Array]:
   inner = getattr(state, 'inner_states', None)
   if not isinstance(inner, Mapping) or key not in inner:
     raise ValueError(f'{where}: the state has no part {key!r}; give the state '
@@ -201,7 +212,9 @@ def _inner(state: Any, key: str, where: str) -> list[Any]:
   return jax.tree.leaves(inner[key])
 
 
-def _template(collection: Any, transforms: Mapping[str, Any], by: str) -> Any:
+def _template(collection: EmbeddingCollection,
+              transforms: Mapping[str, Transform],
+              by: str) -> optax.PartitionState:
   tx = collection_optimizer(collection, transforms, by)
   specs = collection.table_specs
   shapes = ({s.name: jax.ShapeDtypeStruct((s.rows, s.width), s.dtype)
@@ -211,8 +224,8 @@ def _template(collection: Any, transforms: Mapping[str, Any], by: str) -> Any:
   return jax.eval_shape(tx.init, shapes)
 
 
-def state_to_tables(collection: Any, state: Any,
-                    transforms: Mapping[str, Any]) -> Any:
+def state_to_tables(collection: EmbeddingCollection, state: optax.OptState,
+                    transforms: Mapping[str, Transform]) -> optax.OptState:
   """`table_optimizer`'s state from `optimizer`'s (see the class)."""
   template = _template(collection, transforms, 'table')
   out = {}
@@ -230,14 +243,16 @@ def state_to_tables(collection: Any, state: Any,
   return template._replace(inner_states=out)
 
 
-def _same_count(have: list[Any], want: list[Any], where: str) -> None:
+def _same_count(have: Sequence[object], want: Sequence[object],
+                where: str) -> None:
   if len(have) != len(want):
     raise ValueError(f'{where}: {len(have)} state leaves where the optimizer '
                      f'has {len(want)}; the state comes from other '
                      'transformations.')
 
 
-def _shared(values: list[Any], names: tuple[str, ...], where: str) -> Any:
+def _shared(values: Sequence[jax.Array], names: tuple[str, ...],
+            where: str) -> jax.Array:
   first = values[0]
   for name, v in zip(names[1:], values[1:]):
     if not np.array_equal(np.asarray(v), np.asarray(first)):
@@ -249,8 +264,8 @@ def _shared(values: list[Any], names: tuple[str, ...], where: str) -> Any:
   return first
 
 
-def state_from_tables(collection: Any, state: Any,
-                      transforms: Mapping[str, Any]) -> Any:
+def state_from_tables(collection: EmbeddingCollection, state: optax.OptState,
+                      transforms: Mapping[str, Transform]) -> optax.OptState:
   """`optimizer`'s state from `table_optimizer`'s (see the class)."""
   template = _template(collection, transforms, 'stack')
   out = {}
@@ -273,8 +288,9 @@ def state_from_tables(collection: Any, state: Any,
 
 
 
-def fresh_rows(coll: Any, fresh_by_table: Mapping[str, Any],
-               prefix: str) -> dict[str, Any]:
+def fresh_rows(coll: EmbeddingCollection,
+               fresh_by_table: Mapping[str, FreshRows],
+               prefix: str) -> dict[str, FreshRows]:
   """`EmbeddingCollection.fresh_rows`: table slots moved to stack rows."""
   by_stack: dict[str, list[tuple[jax.Array, jax.Array]]] = {}
   for name, fresh in fresh_by_table.items():

@@ -17,16 +17,17 @@ is refused naming them.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence
 import zlib
 
 import jax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 import numpy as np
 
 from lazy_optax._src.id_code import index_dtype
 
-Initializer = Callable[[jax.Array, tuple[int, ...], Any], jax.Array]
+Initializer = Callable[[jax.Array, tuple[int, ...], DTypeLike], jax.Array]
 
 _MODES = (None, 'sum', 'mean', 'max')
 
@@ -35,13 +36,13 @@ default_initializer = jax.nn.initializers.variance_scaling(
     1.0, 'fan_in', 'normal', out_axis=0)
 
 
-def _name(value: Any, what: str) -> str:
+def _name(value: object, what: str) -> str:
   if not isinstance(value, str) or not value:
     raise TypeError(f'{what}: name must be a non-empty str, got {value!r}.')
   return value
 
 
-def _count(value: Any, what: str) -> int:
+def _count(value: object, what: str) -> int:
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or (
       value < 1):
     raise ValueError(f'{what} must be a positive int, got {value!r}.')
@@ -75,7 +76,7 @@ class TableSpec:
   name: str
   rows: int
   width: int
-  dtype: Any = 'float32'
+  dtype: DTypeLike = 'float32'
   initializer: Optional[Initializer] = None
   optimizer: str = 'default'
   lr_multiplier: float = 1.0
@@ -168,7 +169,7 @@ class Stack:
 
   name: str
   width: int
-  dtype: Any
+  dtype: DTypeLike
   optimizer: str
   lr_multiplier: Optional[float]
   tables: tuple[str, ...]

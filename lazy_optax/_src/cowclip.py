@@ -46,20 +46,21 @@ from lazy_optax._src.sparse_rows import SparseRows
 
 
 class CowClipKernelHyper(NamedTuple):
-  """The CowClip kernel's hyperparameters: rows.cc's `COWCLIP_FIELDS`."""
-  coef: Any
-  lower_bound: Any
+  """CowClip's hyperparameters, for `step` and the kernel: rows.cc's
+  `COWCLIP_FIELDS`."""
+  coef: jax.typing.ArrayLike
+  lower_bound: jax.typing.ArrayLike
 
 
 def _rule() -> fused.RowRule:
   """CowClip of the per-occurrence gradient, as a `RowRule` without state."""
 
-  def step(g, params, hyper):
+  def step(g, params, hyper: CowClipKernelHyper):
     dtype = compute_dtype(g.dtype)
     g = g.astype(dtype)
     w_norm = row_norms(jnp.asarray(params).astype(dtype))
-    t = jnp.maximum(jnp.asarray(hyper['coef'], dtype) * w_norm,
-                    jnp.asarray(hyper['lower_bound'], dtype))
+    t = jnp.maximum(jnp.asarray(hyper.coef, dtype) * w_norm,
+                    jnp.asarray(hyper.lower_bound, dtype))
     norm = row_norms(g)
     over = norm > t
     scale = jnp.where(over, t / jnp.where(over, norm, 1), 1)
@@ -67,7 +68,7 @@ def _rule() -> fused.RowRule:
 
   return fused.stateless_rule(
       'cowclip', step, 'LazyOptaxCowclip',
-      lambda hyper: CowClipKernelHyper(hyper['coef'], hyper['lower_bound']))
+      lambda hyper: hyper)  # the rule's record is the kernel's
 
 
 def id_counts(ids: jax.Array, num_rows: int) -> SparseRows:
@@ -95,7 +96,7 @@ def id_counts(ids: jax.Array, num_rows: int) -> SparseRows:
   return SparseRows.from_unique(ids, named.astype(jnp.float32), num_rows)
 
 
-def _report_mismatch(differ: Any, wheres: tuple[str, ...]) -> np.ndarray:
+def _report_mismatch(differ: np.ndarray, wheres: tuple[str, ...]) -> np.ndarray:
   differ = np.asarray(differ).reshape(-1, len(wheres)).sum(axis=0)
   if differ.any():
     named = ', '.join(f'{w} ({int(n)} slots differ)'
@@ -142,7 +143,7 @@ class _Counts(NamedTuple):
   differ: Optional[jax.Array]
 
 
-def _row_counts(counts: SparseRows, g: Any, where: str,
+def _row_counts(counts: SparseRows, g: jax.Array, where: str,
                 table: Optional[row_context.TableIds]) -> _Counts:
   """`counts` as one number per row of `g` (lazy's row block or dense)."""
   num_rows = table.num_rows if table is not None else jnp.shape(g)[0]
@@ -161,7 +162,7 @@ def _row_counts(counts: SparseRows, g: Any, where: str,
                  _differing_slots(table.ids, count_ids, num_rows))
 
 
-def _leaf_counts(g: Any, c: Any, where: str,
+def _leaf_counts(g: jax.Array, c: Optional[SparseRows], where: str,
                  table: Optional[row_context.TableIds]) -> Optional[_Counts]:
   """The checked counts of one leaf, or None for a leaf not to clip."""
   if c is None:
@@ -176,22 +177,23 @@ def _leaf_counts(g: Any, c: Any, where: str,
   return _row_counts(c, g, where, table)
 
 
-def _clip_leaf(rule: fused.RowRule, g: Any, p: Any, count: jax.Array,
-               hyper: dict[str, Any], impl: str) -> Any:
+def _clip_leaf(rule: fused.RowRule, g: jax.Array, p: jax.Array,
+               count: jax.Array, hyper: CowClipKernelHyper) -> jax.Array:
   """The clipped gradient rows `g`, `count` occurrences each."""
   per_occurrence = g / broadcast_rows(jnp.maximum(count, 1), g).astype(
       g.dtype)
-  u = fused.apply_stateless(rule, per_occurrence, p, hyper, impl)
+  u = fused.apply_stateless(rule, per_occurrence, p, hyper)
   return u * broadcast_rows(count, u).astype(u.dtype)
 
 
-def _clip_tree(rule: fused.RowRule, updates: Any, params: Any, counts: Any,
-               hyper: dict[str, Any], impl: str,
-               rows: Optional[row_context.Rows]) -> Any:
+def _clip_tree(rule: fused.RowRule, updates: optax.Updates,
+               params: optax.Params, counts: optax.Updates,
+               hyper: CowClipKernelHyper,
+               rows: Optional[row_context.Rows]) -> optax.Updates:
   """Every leaf with counts clipped, after one check of all their ids."""
   flat, treedef_ = jax.tree_util.tree_flatten_with_path(
       updates, is_leaf=is_sparse_rows)
-  treedef: Any = treedef_
+  treedef: Any = treedef_  # jaxlib's PyTreeDef is untyped for mypy
   try:
     p_leaves = treedef.flatten_up_to(params)
     c_leaves = treedef.flatten_up_to(counts)
@@ -211,7 +213,7 @@ def _clip_tree(rule: fused.RowRule, updates: Any, params: Any, counts: Any,
                           tuple(wheres[k] for k, _ in checked))
           if checked else 0)
   out = [g if lc is None else
-         _clip_leaf(rule, g, p, lc.per_row + zero, hyper, impl)
+         _clip_leaf(rule, g, p, lc.per_row + zero, hyper)
          for (_, g), p, lc in zip(flat, p_leaves, leaf_counts)]
   return treedef.unflatten(out)
 
@@ -237,7 +239,8 @@ def cowclip(
       occurrence, relative to its norm.
     lower_bound: the paper's `zeta`: the smallest clip norm per occurrence
       (rows near zero, fresh ones, still learn).
-    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'`.
+    impl: deprecated, no effect (XLA computes the clip on the rows; the
+      tables' implementation is `lazy(..., impl=)`'s).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose `update` takes
@@ -261,9 +264,9 @@ def cowclip(
   validate.hyperparameters('cowclip',
                            non_negative=dict(coef=coef,
                                              lower_bound=lower_bound))
-  fused.check_impl(impl, 'cowclip')
+  fused.unused_impl(impl, 'cowclip')
   rule = _rule()
-  hyper = dict(coef=coef, lower_bound=lower_bound)
+  hyper = CowClipKernelHyper(coef=coef, lower_bound=lower_bound)
 
   def init_fn(params):
     del params
@@ -280,7 +283,7 @@ def cowclip(
           'lazy_optax.id_counts(ids, num_rows) for each table (None for '
           'leaves not to clip), passed as update(grads, state, params, '
           'counts=counts).')
-    return (_clip_tree(rule, updates, params, counts, hyper, impl, rows),
+    return (_clip_tree(rule, updates, params, counts, hyper, rows),
             state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -6,8 +6,9 @@ imports another (`cowclip` and `adam` each stand alone).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
+import jax
 import optax
 
 from lazy_optax._src import validate
@@ -24,8 +25,8 @@ def lazy_adam_cowclip(
     b2: float = 0.999,
     eps: float = 1e-8,
     *,
-    mu_dtype: Optional[Any] = None,
-    nu_dtype: Optional[Any] = None,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """`lazy_adam` on CowClip-clipped gradients (the paper's optimizer).
@@ -44,7 +45,8 @@ def lazy_adam_cowclip(
     eps: "epsilon hat", added to `sqrt(v)`.
     mu_dtype: dtype of `mu` (default: the parameter's).
     nu_dtype: dtype of `nu` (default: the parameter's).
-    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'`, for both rules.
+    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'`: Adam's tables
+      (the clip is XLA's on the rows).
 
   Returns:
     An `optax.GradientTransformationExtraArgs`.
@@ -63,7 +65,7 @@ def lazy_adam_cowclip(
   validate.hyperparameters('lazy_adam_cowclip', beta=dict(b1=b1, b2=b2),
                            non_negative=dict(eps=eps))
   return lazy(optax.chain(
-      cowclip(coef, lower_bound, impl=impl),
+      cowclip(coef, lower_bound),
       epsilon_hat_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype,
                        nu_dtype=nu_dtype, impl=impl),
-      optax.scale_by_learning_rate(learning_rate)))
+      optax.scale_by_learning_rate(learning_rate)), impl=impl)

@@ -18,16 +18,19 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator, NamedTuple, Optional
+from typing import Callable, Iterator, NamedTuple, Optional, TypeVar
 import warnings
 
+import chex
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 import numpy as np
 
 from lazy_optax._src import validate
 
 _MODES = ('raise', 'warn')
+_T = TypeVar('_T')
 _mode = 'raise'
 
 
@@ -41,7 +44,8 @@ class StepError(ValueError):
       nothing): resume from them. From `checks.checked`, see `CheckError`.
   """
 
-  def __init__(self, message: str, outputs: Any = None):
+  def __init__(self, message: str,
+               outputs: Optional[chex.ArrayTree] = None):
     super().__init__(message)
     self.outputs = outputs
 
@@ -79,7 +83,7 @@ def on_damaged_ids(mode: str) -> str:
   return old
 
 
-def _report(where: str, total: int, count: Any) -> np.ndarray:
+def _report(where: str, total: int, count: ArrayLike) -> np.ndarray:
   # Under `jax.vmap` the `lax.cond` below becomes a select that runs this
   # branch for every member: only a count above zero is damage.
   count = np.asarray(count)
@@ -145,7 +149,7 @@ DONATED_LOST = (
 
 # -- errors as data: what make_train_step's compiled step returns ------------
 
-def _trace_state() -> Any:
+def _trace_state() -> object:
   """An opaque token of the current trace (equal within one trace level);
   None where JAX has no such token (then nothing is recorded)."""
   extend_core = getattr(getattr(jax, 'extend', None), 'core', None)
@@ -177,7 +181,7 @@ class Refusals:
   def __init__(self) -> None:
     self.top = _trace_state()
     self.reports: list[_Report] = []
-    self._notes: dict[int, tuple[Any, Any, int]] = {}
+    self._notes: dict[int, tuple[object, object, int]] = {}
 
   def here(self) -> bool:
     return self.top is not None and _trace_state() == self.top
@@ -189,10 +193,10 @@ class Refusals:
     return jnp.any(jnp.stack([jnp.asarray(r.bad).reshape(()) for r in
                               self.reports]))
 
-  def note(self, written: Any, base: Any, seen: int) -> None:
+  def note(self, written: object, base: object, seen: int) -> None:
     self._notes[id(written)] = (written, base, seen)
 
-  def unchanged_when_failed(self, out: Any, before: Any) -> bool:
+  def unchanged_when_failed(self, out: object, before: object) -> bool:
     """Whether `out` equals `before` when a check failed: it is `before`, or
     was written from it by gated writes that saw every check."""
     while out is not before:
@@ -226,8 +230,8 @@ def recording() -> Iterator[Refusals]:
     _local.stack = _local.stack[:-1]
 
 
-def refuse_when(bad: Any, error: type, message: Callable[..., str],
-                **fields: Any) -> bool:
+def refuse_when(bad: ArrayLike, error: type, message: Callable[..., str],
+                **fields: jax.Array) -> bool:
   """Records a check as data if a step helper traces at this level.
 
   Args:
@@ -261,7 +265,7 @@ def gate(ids: jax.Array, num_rows: int) -> tuple[jax.Array, Optional[int]]:
   return ids, len(refusals.reports)
 
 
-def note(written: Any, base: Any, seen: Optional[int]) -> Any:
+def note(written: _T, base: object, seen: Optional[int]) -> _T:
   """Notes that `written` is `base` with gated writes only; returns it."""
   refusals = active()
   if refusals is not None and seen is not None:

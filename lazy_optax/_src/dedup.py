@@ -28,18 +28,19 @@ tables of a model at once.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 from jax import lax
 import jax.numpy as jnp
+from jax.typing import DTypeLike
 
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import row_ops
 
 
-def _accumulation_dtype(dtype: Any) -> Any:
+def _accumulation_dtype(dtype: DTypeLike) -> DTypeLike:
   # Sum bfloat16/float16 duplicates in float32 and round once at the end:
   # a hot id repeated hundreds of times would lose most of its gradient to
   # rounding in a 16-bit running sum.
@@ -61,13 +62,14 @@ def position_bits(n: int) -> int:
   return max(1, (n - 1).bit_length())
 
 
-def packs(num_rows: int, n: int, id_dtype: Any) -> bool:
+def packs(num_rows: int, n: int, id_dtype: DTypeLike) -> bool:
   """Whether ids in `[0, num_rows]` and positions `< n` pack into uint32."""
   return (jnp.dtype(id_dtype).itemsize == 4
           and (num_rows + 1) << position_bits(n) <= 2 ** 32)
 
 
-def _use_packed(num_rows: int, n: int, id_dtype: Any, method: str) -> bool:
+def _use_packed(num_rows: int, n: int, id_dtype: DTypeLike,
+                method: str) -> bool:
   if method not in METHODS:
     raise ValueError(f'method must be one of {METHODS}, got {method!r}.')
   if method == 'search' or not packs(num_rows, n, id_dtype):

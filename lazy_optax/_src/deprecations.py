@@ -21,7 +21,7 @@ class Moved:
 
   __slots__ = ('new_name', 'obj')
 
-  def __init__(self, new_name: str, obj: Any):
+  def __init__(self, new_name: str, obj: object):
     self.new_name = new_name
     self.obj = obj
 

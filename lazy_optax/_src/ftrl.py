@@ -37,7 +37,7 @@ Where it matches and differs:
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import chex
 import jax
@@ -45,7 +45,6 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
-from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import compute_dtype
@@ -63,16 +62,17 @@ fused.declare(ScaleByFtrlState, fused.RuleFacts(
 
 
 class FtrlKernelHyper(NamedTuple):
-  """The FTRL kernel's hyperparameters: rows.cc's `FTRL_FIELDS`, in order."""
-  lr: Any
-  power: Any  # -learning_rate_power
-  l1: Any
-  l2: Any
-  l2_shrinkage: Any
-  beta: Any
+  """The FTRL rule's hyperparameters, for `new_rows`, `step` and the kernel:
+  rows.cc's `FTRL_FIELDS`, in order."""
+  lr: jax.typing.ArrayLike
+  power: jax.typing.ArrayLike  # -learning_rate_power
+  l1: jax.typing.ArrayLike
+  l2: jax.typing.ArrayLike
+  l2_shrinkage: jax.typing.ArrayLike
+  beta: jax.typing.ArrayLike
 
 
-def _power(n: jax.Array, power: Any) -> jax.Array:
+def _power(n: jax.Array, power: jax.typing.ArrayLike) -> jax.Array:
   """`n ** power`, with the square root for 0.5 and 1 for 0 (as TF does)."""
   if isinstance(power, (int, float)):
     if power == 0.5:
@@ -83,47 +83,41 @@ def _power(n: jax.Array, power: Any) -> jax.Array:
 
 
 def _rule() -> fused.RowRule:
-  """FTRL-Proximal as a `RowRule`.
+  """FTRL-Proximal as a `RowRule` of an `FtrlKernelHyper`."""
 
-  `hyper` is `dict(lr, power, l1, l2, l2_shrinkage, beta)` with
-  `power = -learning_rate_power`.
-  """
-
-  def new_rows(g, rows, params, hyper):
+  def new_rows(g, rows, params, hyper: FtrlKernelHyper):
     n, z = rows['accumulator'], rows['linear']
     w = jnp.asarray(params)
     dtype = compute_dtype(g.dtype, w.dtype, n.dtype, z.dtype)
     gd, wd = g.astype(dtype), w.astype(dtype)
     nd = n.astype(dtype)
-    lr = jnp.asarray(hyper['lr'], dtype)
+    lr = jnp.asarray(hyper.lr, dtype)
     n_new = nd + gd * gd
-    sigma = (_power(n_new, hyper['power']) - _power(nd, hyper['power'])) / lr
-    shrunk = gd + 2 * jnp.asarray(hyper['l2_shrinkage'], dtype) * wd
+    sigma = (_power(n_new, hyper.power) - _power(nd, hyper.power)) / lr
+    shrunk = gd + 2 * jnp.asarray(hyper.l2_shrinkage, dtype) * wd
     return {'accumulator': n_new,
             'linear': z.astype(dtype) + shrunk - sigma * wd}
 
-  def step(g, stored, params, hyper):
+  def step(g, stored, params, hyper: FtrlKernelHyper):
     n, z = stored['accumulator'], stored['linear']
     w = jnp.asarray(params)
     dtype = compute_dtype(g.dtype, w.dtype, n.dtype, z.dtype)
     nd, zd, wd = n.astype(dtype), z.astype(dtype), w.astype(dtype)
-    quadratic = ((jnp.asarray(hyper['beta'], dtype)
-                  + _power(nd, hyper['power'])) / jnp.asarray(hyper['lr'],
-                                                               dtype)
-                 + 2 * jnp.asarray(hyper['l2'], dtype))
+    quadratic = ((jnp.asarray(hyper.beta, dtype) + _power(nd, hyper.power))
+                 / jnp.asarray(hyper.lr, dtype)
+                 + 2 * jnp.asarray(hyper.l2, dtype))
     # Unused padding slots of a lazy update read zeros everywhere: keep
     # their (discarded) result finite.
     quadratic = jnp.where(quadratic > 0, quadratic, jnp.ones_like(quadratic))
-    l1 = jnp.asarray(hyper['l1'], dtype)
+    l1 = jnp.asarray(hyper.l1, dtype)
     w_new = jnp.where(jnp.abs(zd) > l1, (jnp.sign(zd) * l1 - zd) / quadratic,
                       jnp.zeros_like(zd))
     return w_new - wd
 
-  def kernel_hyper(hyper):
-    return FtrlKernelHyper(*(hyper[k] for k in FtrlKernelHyper._fields))
-
+  # The rule's record is the kernel's.
   return fused.RowRule('ftrl', new_rows, step, ('accumulator', 'linear'),
-                       'LazyOptaxFtrl', kernel_hyper, needs_params=True)
+                       'LazyOptaxFtrl', lambda hyper: hyper,
+                       needs_params=True)
 
 
 def _ftrl_rule(
@@ -135,8 +129,8 @@ def _ftrl_rule(
     l2: float,
     l2_shrinkage: float,
     beta: float,
-    accumulator_dtype: Optional[Any],
-    linear_dtype: Optional[Any],
+    accumulator_dtype: Optional[jax.typing.DTypeLike],
+    linear_dtype: Optional[jax.typing.DTypeLike],
     impl: str,
 ) -> optax.GradientTransformationExtraArgs:
   """FTRL-Proximal, dense or fused inside `lazy(...)`."""
@@ -157,12 +151,11 @@ def _ftrl_rule(
           'tx.update(grads, state, params).')
     lr = (learning_rate(state.count) if callable(learning_rate)
           else learning_rate)
+    hyper = FtrlKernelHyper(lr=lr, power=-learning_rate_power, l1=l1, l2=l2,
+                            l2_shrinkage=l2_shrinkage, beta=beta)
     new_updates, new = fused.apply_rule(
         rule, updates, {'accumulator': state.accumulator,
-                        'linear': state.linear}, params,
-        dict(lr=lr, power=-learning_rate_power, l1=l1, l2=l2,
-             l2_shrinkage=l2_shrinkage, beta=beta), impl,
-        context=row_context.context_of(extra_args))
+                        'linear': state.linear}, params, hyper, impl)
     return new_updates, ScaleByFtrlState(optax.safe_increment(state.count),
                                          **new)
 
@@ -178,8 +171,8 @@ def ftrl(
     l2_shrinkage: float = 0.0,
     beta: float = 0.0,
     *,
-    accumulator_dtype: Optional[Any] = None,
-    linear_dtype: Optional[Any] = None,
+    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
+    linear_dtype: Optional[jax.typing.DTypeLike] = None,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """FTRL-Proximal (TensorFlow's `ApplyFtrlV2`), lazy on `SparseRows`.
@@ -244,4 +237,4 @@ def ftrl(
       initial_accumulator_value=initial_accumulator_value, l1=l1, l2=l2,
       l2_shrinkage=l2_shrinkage, beta=beta,
       accumulator_dtype=accumulator_dtype, linear_dtype=linear_dtype,
-      impl=impl))
+      impl=impl), impl=impl)

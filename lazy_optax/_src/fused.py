@@ -33,7 +33,8 @@ gets plain arrays and computes on them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -236,20 +237,21 @@ def stateless_rule(name: str, step: Callable[..., jax.Array],
                  needs_params=True)
 
 
-def apply_stateless(rule: RowRule, updates: Any, params: Any, hyper: Any,
-                    impl: str, *, context: object = None) -> Any:
+def apply_stateless(rule: RowRule, updates: Any, params: Any,
+                    hyper: Any) -> Any:
   """A `stateless_rule` on every leaf: the new updates (XLA's arithmetic on
-  the rows given; `impl` and `context` are unused)."""
-  del impl, context
+  the rows given)."""
   leaves, treedef = jax.tree.flatten(updates)
-  param_leaves = jax.tree.structure(updates).flatten_up_to(params)
+  param_leaves = treedef.flatten_up_to(params)  # type: ignore[attr-defined]
   return jax.tree.unflatten(treedef, [
       rule.step(g, {}, p, hyper).astype(g.dtype)
       for g, p in zip(leaves, param_leaves)])
 
 
-def refusal(facts: RuleFacts, tables: dict[str, jax.ShapeDtypeStruct],
-            grad_dtype: jnp.dtype, ids_dtype: jnp.dtype) -> str:
+def refusal(facts: RuleFacts,
+            tables: Mapping[str, jax.Array | jax.ShapeDtypeStruct],
+            grad_dtype: jax.typing.DTypeLike,
+            ids_dtype: jax.typing.DTypeLike) -> str:
   """Why the rule's CPU kernel cannot take these operands ('' if it can);
   where the table lives is `backend.decide`'s to judge.
 
@@ -415,7 +417,6 @@ def _tabled(rule: RowRule, g: Any, given: dict[str, TableRows], params: Any,
 
 def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],
                params: Any, hyper: Any, impl: str, *,
-               context: object = None,
                leaf_hyper: Optional[Callable[[int, Any], Any]] = None
                ) -> tuple[Any, dict[str, Any]]:
   """Runs `rule` on every leaf of `updates`: in place where `lazy` says.
@@ -436,14 +437,12 @@ def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],
       `kernel_hyper` as given.
     impl: one of `IMPLS`: the rule's own; `'xla'` or `'generic'` replace
       the kernel `lazy` chose.
-    context: unused (kept for the rules' call sites).
     leaf_hyper: `(leaf index, hyper) -> hyper` for rules whose
       hyperparameters differ per leaf (a weight-decay mask).
 
   Returns:
     `(updates, new_tables)` with the structures of `updates` and `tables`.
   """
-  del context
   treedef: Any = jax.tree.structure(updates)
   grads = treedef.flatten_up_to(updates)
   leaves = {k: treedef.flatten_up_to(v) for k, v in tables.items()}
@@ -468,3 +467,16 @@ def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],
 def check_impl(impl: str, where: str) -> None:
   """`impl` must be one of `IMPLS`."""
   validate.impl_argument(impl, where)
+
+
+def unused_impl(impl: str, where: str) -> None:
+  """`impl=` of a rule without state: checked, and deprecated when given
+  (such a rule has no table to update in place: XLA computes it on the
+  rows, whatever `impl` says; `lazy(..., impl=)` decides the tables')."""
+  validate.impl_argument(impl, where)
+  if impl != 'auto':
+    warnings.warn(
+        f"{where}(impl='{impl}') has no effect: {where} has no state table "
+        'to update in place, so XLA computes it on the rows lazy(...) '
+        'gathers; pass impl= to lazy(...) or to the optimizer. The argument '
+        'goes in lazy_optax 0.3.', DeprecationWarning, stacklevel=3)

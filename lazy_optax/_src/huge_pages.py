@@ -20,8 +20,9 @@ import ctypes
 import ctypes.util
 import functools
 import sys
-from typing import Any, Optional
+from typing import Callable, Optional
 
+import chex
 import jax
 
 HUGE_PAGE_BYTES = 2 * 2**20
@@ -31,7 +32,7 @@ _MADV_COLLAPSE = 25
 
 
 @functools.lru_cache(maxsize=1)
-def _madvise() -> Optional[Any]:
+def _madvise() -> Optional[Callable[[int, int, int], int]]:
   if not sys.platform.startswith('linux'):
     return None
   try:
@@ -44,7 +45,7 @@ def _madvise() -> Optional[Any]:
   return fn
 
 
-def _cpu_buffers(tree: Any) -> list[tuple[int, int]]:
+def _cpu_buffers(tree: chex.ArrayTree) -> list[tuple[int, int]]:
   """(address, size) of every CPU buffer of the arrays in `tree`."""
   spans = []
   for leaf in jax.tree.leaves(tree):
@@ -64,8 +65,8 @@ def _cpu_buffers(tree: Any) -> list[tuple[int, int]]:
   return spans
 
 
-def advise_huge_pages(tree: Any, *, min_bytes: int = 4 * HUGE_PAGE_BYTES
-                      ) -> int:
+def advise_huge_pages(tree: chex.ArrayTree, *,
+                      min_bytes: int = 4 * HUGE_PAGE_BYTES) -> int:
   """Puts the large CPU arrays of `tree` on transparent huge pages (Linux).
 
   For each CPU buffer of at least `min_bytes`, the whole 2 MiB pages inside

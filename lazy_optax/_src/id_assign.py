@@ -19,7 +19,7 @@ Everything here is batch-sized: no loop over ids, no table-sized array.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional, TYPE_CHECKING
 
 import jax
 from jax import lax
@@ -28,6 +28,10 @@ import jax.numpy as jnp
 from lazy_optax._src import branching
 from lazy_optax._src import id_hashing
 from lazy_optax._src import id_words
+
+if TYPE_CHECKING:
+  from lazy_optax._src.id_table import IdCounters
+  from lazy_optax._src.id_table import IdTable
 
 COUNT_LIMIT = 2 ** 30
 
@@ -98,7 +102,7 @@ def decayed(counts: jax.Array, seen: jax.Array, now: jax.Array,
   return counts >> jnp.clip(halvings, 0, 31)
 
 
-def alive_in(table: Any, window_words: jax.Array, window_seen: jax.Array,
+def alive_in(table: IdTable, window_words: jax.Array, window_seen: jax.Array,
              now: jax.Array) -> jax.Array:
   """Which slots hold a live id: occupied, and seen within `ttl` of `now`."""
   occupied = window_words[..., 0] != jnp.uint32(id_words.EMPTY_WORD)
@@ -107,15 +111,22 @@ def alive_in(table: Any, window_words: jax.Array, window_seen: jax.Array,
   return occupied & (window_seen >= now - table.ttl)
 
 
-def home_slots(table: Any, words: jax.Array) -> jax.Array:
+def probe_size(table: IdTable) -> int:
+  """The table's probe window, in slots (`IdTable` resolves None)."""
+  assert table.probe is not None
+  return table.probe
+
+
+def home_slots(table: IdTable, words: jax.Array) -> jax.Array:
   """The first slot of each id's probe window: int32 `[N]`.
 
   Windows do not wrap around: they start in `[0, capacity - probe]`, so
   each is one contiguous slice of the state (a slice gather reads it
   several times faster than `probe` separate indices).
   """
-  return id_hashing.home_slots(words, table.capacity - table.probe + 1,
-                               table.seed).astype(jnp.int32)
+  homes = id_hashing.home_slots(
+      words, table.capacity - probe_size(table) + 1, table.seed)
+  return homes.astype(jnp.int32)
 
 
 class Windows(NamedTuple):
@@ -144,7 +155,7 @@ class Windows(NamedTuple):
   counts: Optional[jax.Array] = None
 
 
-def probe_windows(table: Any, ids: jax.Array, last_seen: jax.Array,
+def probe_windows(table: IdTable, ids: jax.Array, last_seen: jax.Array,
                   words: jax.Array, now: jax.Array,
                   counts: Optional[jax.Array] = None) -> Windows:
   """Step 1: read each id's window (one slice gather) and find its hit.
@@ -161,20 +172,20 @@ def probe_windows(table: Any, ids: jax.Array, last_seen: jax.Array,
   Returns:
     The `Windows`.
   """
-  homes = home_slots(table, words)
-  win_words = window(ids, homes, table.probe)              # [n, P, 2]
-  win_seen = window(last_seen, homes, table.probe)         # [n, P]
+  homes, probe = home_slots(table, words), probe_size(table)
+  win_words = window(ids, homes, probe)                    # [n, P, 2]
+  win_seen = window(last_seen, homes, probe)               # [n, P]
   alive = alive_in(table, win_words, win_seen, now)
   match = alive & (win_words[..., 0] == words[:, None, 0]) & (
       win_words[..., 1] == words[:, None, 1])
   hit_j = first(match)                       # probe (a live id is there once)
-  found = id_words.valid_words(words) & (hit_j < table.probe)
-  win_counts = None if counts is None else window(counts, homes, table.probe)
+  found = id_words.valid_words(words) & (hit_j < probe)
+  win_counts = None if counts is None else window(counts, homes, probe)
   return Windows(homes, win_words, win_seen, alive, hit_j, found,
                  homes + hit_j, pick(win_seen, hit_j), win_counts)
 
 
-def expire(table: Any, wheel: Optional[jax.Array], live: jax.Array,
+def expire(table: IdTable, wheel: Optional[jax.Array], live: jax.Array,
            prev: jax.Array, now: jax.Array
            ) -> tuple[Optional[jax.Array], jax.Array, jax.Array]:
   """Step 2: under `ttl`, ids last seen before `now - ttl` expire now.
@@ -204,7 +215,7 @@ def expire(table: Any, wheel: Optional[jax.Array], live: jax.Array,
   return jnp.where(expiring, 0, wheel), expired, live - expired
 
 
-def estimate(table: Any, sketch: jax.Array, words: jax.Array,
+def estimate(table: IdTable, sketch: jax.Array, words: jax.Array,
              wanted: Optional[jax.Array] = None) -> jax.Array:
   """The sketch's count of each id (the minimum over its rows): int32 `[N]`.
 
@@ -234,7 +245,7 @@ def halve_branch_free(sketch: jax.Array, halvings: jax.Array) -> jax.Array:
   return sketch >> jnp.clip(halvings, 0, 31)
 
 
-def admit(table: Any, sketch: Optional[jax.Array], words: jax.Array,
+def admit(table: IdTable, sketch: Optional[jax.Array], words: jax.Array,
           valid: jax.Array, need: jax.Array, prev: jax.Array, now: jax.Array
           ) -> tuple[Optional[jax.Array], jax.Array, Optional[jax.Array]]:
   """Step 3: the sketch counts lookups; ids seen `admit_after` times get in.
@@ -306,7 +317,7 @@ def representatives(claims: jax.Array, slot: jax.Array, capacity: int
   return claims, rep
 
 
-def renew_counts(table: Any, counts: Optional[jax.Array], win: Windows,
+def renew_counts(table: IdTable, counts: Optional[jax.Array], win: Windows,
                  slot: jax.Array, rep: jax.Array, now: jax.Array
                  ) -> Optional[jax.Array]:
   """`'lfu'`: a hit's decayed count plus one (once a step); new owners 1."""
@@ -325,7 +336,7 @@ def renew_counts(table: Any, counts: Optional[jax.Array], win: Windows,
   return counts.at[jnp.where(rep, slot, c)].set(value, mode='drop')
 
 
-def move_wheel(table: Any, wheel: Optional[jax.Array], win: Windows,
+def move_wheel(table: IdTable, wheel: Optional[jax.Array], win: Windows,
                hit: jax.Array, inserted: jax.Array, old_alive: jax.Array,
                old_seen: jax.Array, now: jax.Array) -> Optional[jax.Array]:
   """`ttl`: move re-seen ids to this step's wheel entry, drop evicted ones."""
@@ -386,7 +397,8 @@ def log_evictions(log: Log, record: jax.Array, old_words: jax.Array,
              jnp.mod(log.log_next + total, size), log_lost)
 
 
-def add_events(counters: Any, events: dict[str, jax.Array]) -> Any:
+def add_events(counters: IdCounters, events: dict[str, jax.Array]
+               ) -> IdCounters:
   """The `IdCounters` `counters` plus this step's `events` (name -> int32)."""
   return type(counters)(*(add64(old, events[name]) for name, old in zip(
       counters._fields, counters)))

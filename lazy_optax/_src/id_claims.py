@@ -32,7 +32,7 @@ table-sized array.
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional, TYPE_CHECKING
 
 import jax
 from jax import lax
@@ -45,8 +45,12 @@ from lazy_optax._src.id_assign import decayed
 from lazy_optax._src.id_assign import estimate
 from lazy_optax._src.id_assign import first
 from lazy_optax._src.id_assign import pick
+from lazy_optax._src.id_assign import probe_size
 from lazy_optax._src.id_assign import window
 from lazy_optax._src.id_assign import Windows
+
+if TYPE_CHECKING:
+  from lazy_optax._src.id_table import IdTable
 
 BIG_STEP = 2 ** 31 - 1
 
@@ -77,7 +81,7 @@ class Claims(NamedTuple):
   declined: jax.Array
 
 
-def guards(table: Any) -> bool:
+def guards(table: IdTable) -> bool:
   """Whether a newcomer must be seen more often than its victim."""
   return table.admission == 'frequency' and table.eviction != 'none'
 
@@ -173,7 +177,7 @@ class RoundInputs(NamedTuple):
   now: jax.Array
 
 
-def claimants(table: Any, counts: Optional[jax.Array],
+def claimants(table: IdTable, counts: Optional[jax.Array],
               seen: Optional[jax.Array], words: jax.Array, win: Windows,
               now: jax.Array) -> Claimants:
   """The batch's per-id arrays for the claim rounds (see `claim_rounds`)."""
@@ -183,7 +187,7 @@ def claimants(table: Any, counts: Optional[jax.Array],
   if table.eviction == 'lfu':
     assert counts is not None
     win_counts = win.counts if win.counts is not None else window(
-        counts, win.homes, table.probe)
+        counts, win.homes, probe_size(table))
     score = jnp.where(
         free, -1, decayed(win_counts, win.seen, now, table.lfu_period))
   frequency = None
@@ -194,7 +198,7 @@ def claimants(table: Any, counts: Optional[jax.Array],
                    lo=lo, score=score, seen=win.seen, words=words)
 
 
-def choose_slots(table: Any, who: Claimants, last_seen: jax.Array,
+def choose_slots(table: IdTable, who: Claimants, last_seen: jax.Array,
                  pending: jax.Array, now: jax.Array
                  ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """Each pending id's pick in its window among slots not seen at `now`.
@@ -207,7 +211,7 @@ def choose_slots(table: Any, who: Claimants, last_seen: jax.Array,
     at `now`; bool `[N]`, the pending ids with a pick; int32 `[N]`, the
     pick's position in the window (`probe`: none).
   """
-  seen_now = window(last_seen, who.homes, table.probe)
+  seen_now = window(last_seen, who.homes, probe_size(table))
   untouched = seen_now < now
   eligible = untouched
   if table.eviction == 'none':
@@ -225,7 +229,7 @@ def choose_slots(table: Any, who: Claimants, last_seen: jax.Array,
   return untouched, has, j
 
 
-def guard(table: Any, ids: jax.Array, who: Claimants,
+def guard(table: IdTable, ids: jax.Array, who: Claimants,
           sketch: Optional[jax.Array], has: jax.Array, j: jax.Array
           ) -> tuple[jax.Array, jax.Array]:
   """The frequency guard: a pick that holds a live id (a victim) is kept
@@ -274,7 +278,7 @@ def resolve(claims: jax.Array, target: jax.Array, has: jax.Array,
   return claims, won, winner
 
 
-def claim_round(table: Any, who: Claimants, tables: ClaimTables,
+def claim_round(table: IdTable, who: Claimants, tables: ClaimTables,
                 pending: jax.Array, sketch: Optional[jax.Array],
                 now: jax.Array) -> tuple[ClaimTables, RoundResult]:
   """One claim round for the ids of `who` (all, or a compacted few).
@@ -313,7 +317,7 @@ def merge(carry: RoundCarry, tables: ClaimTables,
       carry.declined | result.declined)
 
 
-def full_round(table: Any, inputs: RoundInputs,
+def full_round(table: IdTable, inputs: RoundInputs,
                carry: RoundCarry) -> RoundCarry:
   """A round over all `N` rows (rows not pending claim nothing)."""
   tables, result = claim_round(table, inputs.who, carry.tables,
@@ -321,7 +325,7 @@ def full_round(table: Any, inputs: RoundInputs,
   return merge(carry, tables, result)
 
 
-def compact_round(table: Any, inputs: RoundInputs, few: int,
+def compact_round(table: IdTable, inputs: RoundInputs, few: int,
                   carry: RoundCarry) -> RoundCarry:
   """A round for the pending ids compacted into `few` rows (they must
   fit), in batch order; its results are scattered back to `N` rows."""
@@ -338,7 +342,7 @@ def compact_round(table: Any, inputs: RoundInputs, few: int,
   return merge(carry, tables, RoundResult(*back))
 
 
-def one_round_skipping(table: Any, inputs: RoundInputs, few: int,
+def one_round_skipping(table: IdTable, inputs: RoundInputs, few: int,
                        carry: RoundCarry) -> RoundCarry:
   """A round that skips work (the CPU's version).
 
@@ -355,7 +359,7 @@ def one_round_skipping(table: Any, inputs: RoundInputs, few: int,
                   lambda x: x, carry)
 
 
-def one_round(table: Any, inputs: RoundInputs, few: int,
+def one_round(table: IdTable, inputs: RoundInputs, few: int,
               carry: RoundCarry) -> RoundCarry:
   """One claim round: `one_round_skipping` on the CPU, else `full_round`.
 
@@ -368,7 +372,7 @@ def one_round(table: Any, inputs: RoundInputs, few: int,
       functools.partial(full_round, table, inputs), carry)
 
 
-def run_rounds(table: Any, inputs: RoundInputs,
+def run_rounds(table: IdTable, inputs: RoundInputs,
                carry: RoundCarry) -> RoundCarry:
   """The `table.rounds` claim rounds.
 
@@ -385,7 +389,7 @@ def run_rounds(table: Any, inputs: RoundInputs,
   return carry
 
 
-def claim_rounds(table: Any, ids: jax.Array, last_seen: jax.Array,
+def claim_rounds(table: IdTable, ids: jax.Array, last_seen: jax.Array,
                  claims: jax.Array, counts: Optional[jax.Array],
                  sketch: Optional[jax.Array], seen: Optional[jax.Array],
                  words: jax.Array, win: Windows, admitted: jax.Array,

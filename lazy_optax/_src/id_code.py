@@ -31,7 +31,8 @@ zero, as XLA's CPU flushes them).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from types import ModuleType
+from typing import Generic, NamedTuple, Optional, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -47,9 +48,11 @@ _PART_BITS = 16
 _CHECKS = 2
 _TOLERANCE = 0.25   # how far from a whole number a scaled part may drift
 _TINY = float(np.finfo(np.float32).tiny)
+# An array of the array module `xp` it goes with: NumPy on the host, else JAX.
+XpArray = TypeVar('XpArray', np.ndarray, jax.Array)
 
 
-def index_dtype(num_rows: int) -> Any:
+def index_dtype(num_rows: int) -> jax.typing.DTypeLike:
   """int32, unless the table has more rows than int32 can address."""
   if num_rows < np.iinfo(np.int32).max:
     return jnp.int32
@@ -59,28 +62,28 @@ def index_dtype(num_rows: int) -> Any:
   return jnp.int64
 
 
-def num_parts(id_dtype: Any) -> int:
+def num_parts(id_dtype: jax.typing.DTypeLike) -> int:
   """How many 16-bit parts hold an id of `id_dtype` (2 for int32)."""
   return 4 if jnp.dtype(id_dtype).itemsize == 8 else 2
 
 
-def code_width(id_dtype: Any) -> int:
+def code_width(id_dtype: jax.typing.DTypeLike) -> int:
   """Columns of the id code for ids of `id_dtype`: unit, parts, checks."""
   return 1 + num_parts(id_dtype) + _CHECKS
 
 
-def _bitcast(x: Any, dtype: Any, xp: Any) -> Any:
-  if xp is np:
-    return x.view(dtype)
-  return jax.lax.bitcast_convert_type(x, dtype)
+def _bitcast(x: XpArray, dtype: jax.typing.DTypeLike) -> XpArray:
+  """`x`'s bits as `dtype` (of the same size; for JAX arrays `view` is
+  `lax.bitcast_convert_type`)."""
+  return x.view(dtype)
 
 
-def _unsigned(ids: Any, xp: Any) -> Any:
+def _unsigned(ids: XpArray, xp: ModuleType) -> XpArray:
   wide = np.dtype(ids.dtype).itemsize == 8
-  return _bitcast(ids, xp.uint64 if wide else xp.uint32, xp)
+  return _bitcast(ids, xp.uint64 if wide else xp.uint32)
 
 
-def _mix32(x: Any, xp: Any) -> Any:
+def _mix32(x: XpArray, xp: ModuleType) -> XpArray:
   """A 32-bit avalanche mix (the murmur3 finalizer) of a uint32 array."""
   x = x ^ (x >> 16)
   x = x * xp.uint32(0x85EBCA6B)
@@ -89,7 +92,7 @@ def _mix32(x: Any, xp: Any) -> Any:
   return x ^ (x >> 16)
 
 
-def _checks(parts: list[Any], xp: Any) -> list[Any]:
+def _checks(parts: list[XpArray], xp: ModuleType) -> list[XpArray]:
   """Two 16-bit check values in [1, 65535] from the id's parts (uint32)."""
   h = xp.uint32(0x9E3779B9)
   for p in parts:
@@ -98,7 +101,7 @@ def _checks(parts: list[Any], xp: Any) -> list[Any]:
   return [xp.maximum(low, 1), xp.maximum(high, 1)]
 
 
-def _split(ids: Any, xp: Any) -> list[Any]:
+def _split(ids: XpArray, xp: ModuleType) -> list[XpArray]:
   """The id's 16-bit parts, most significant first, as uint32."""
   u = _unsigned(ids, xp)
   n = num_parts(ids.dtype)
@@ -107,7 +110,7 @@ def _split(ids: Any, xp: Any) -> list[Any]:
           for k in range(n)]
 
 
-def _on_host(x: Any) -> Any:
+def _on_host(x: object) -> Optional[np.ndarray]:
   """`x` as a NumPy array where reading it runs no XLA program, else None.
 
   A tracer is never read; neither is an array split over devices (its code
@@ -123,14 +126,14 @@ def _on_host(x: Any) -> Any:
   return None
 
 
-def _placed(host: Any, like: Any) -> jax.Array:
+def _placed(host: jax.typing.ArrayLike, like: object) -> jax.Array:
   """`host` where `like` is (committed to its devices only if `like` is)."""
   if isinstance(like, jax.Array) and like.committed:
     return jax.device_put(host, like.sharding)
   return jax.device_put(host)  # (jnp.asarray would compile a copy)
 
 
-def _encode(ids: Any, xp: Any) -> Any:
+def _encode(ids: XpArray, xp: ModuleType) -> XpArray:
   parts = _split(ids, xp)
   columns = [xp.ones(ids.shape, xp.uint32)] + parts + _checks(parts, xp)
   whole = xp.stack(columns, axis=-1).astype(CODE_DTYPE)
@@ -161,7 +164,7 @@ def encode(ids: jax.Array) -> jax.Array:
   return _placed(_encode(host, np), ids)
 
 
-class Decoded(NamedTuple):
+class Decoded(NamedTuple, Generic[XpArray]):
   """What an id code says.
 
   Attributes:
@@ -169,12 +172,13 @@ class Decoded(NamedTuple):
     intact: whether each entry is a valid code (possibly scaled).
     empty: whether each entry is all zeros (names no row, is not damage).
   """
-  ids: jax.Array
-  intact: jax.Array
-  empty: jax.Array
+  ids: XpArray
+  intact: XpArray
+  empty: XpArray
 
 
-def _decode(code: Any, id_dtype: Any, xp: Any) -> Decoded:
+def _decode(code: XpArray, id_dtype: jax.typing.DTypeLike, xp: ModuleType
+            ) -> Decoded[XpArray]:
   code = code.astype(CODE_DTYPE)
   # Subnormal entries read as zero on every backend (XLA's CPU flushes them).
   code = xp.where(xp.abs(code) < _TINY, xp.zeros_like(code), code)
@@ -196,16 +200,18 @@ def _decode(code: Any, id_dtype: Any, xp: Any) -> Decoded:
   return Decoded(_join(parts, id_dtype, xp), intact, empty)
 
 
-def _join(parts: list[Any], id_dtype: Any, xp: Any) -> Any:
+def _join(parts: list[XpArray], id_dtype: jax.typing.DTypeLike,
+          xp: ModuleType) -> XpArray:
   """The ids of `id_dtype` whose 16-bit parts are `parts` (`_split`'s)."""
   udtype = xp.uint64 if np.dtype(id_dtype).itemsize == 8 else xp.uint32
   value = xp.zeros(parts[0].shape, udtype)
   for p in parts:
     value = (value << _PART_BITS) | p.astype(udtype)
-  return _bitcast(value, np.dtype(id_dtype), xp)
+  return _bitcast(value, np.dtype(id_dtype))
 
 
-def decode(code: jax.Array, id_dtype: Any) -> Decoded:
+def decode(code: jax.Array, id_dtype: jax.typing.DTypeLike
+           ) -> Decoded[jax.Array]:
   """Reads ids back from an id code and says which entries are intact.
 
   A concrete code is read with NumPy, a traced one with `jax.numpy`: the
@@ -231,7 +237,8 @@ def decode(code: jax.Array, id_dtype: Any) -> Decoded:
   return Decoded(*(_placed(x, code) for x in read))
 
 
-def _decode_on_host(code: Any, id_dtype: Any) -> Decoded | None:
+def _decode_on_host(code: jax.Array, id_dtype: jax.typing.DTypeLike
+                    ) -> Decoded[np.ndarray] | None:
   """`decode` with NumPy, of a code readable on the host (else None)."""
   host = _on_host(code)
   if host is None:
@@ -246,7 +253,7 @@ def _rows_nonzero(values: jax.Array) -> jax.Array:
   return jnp.any(values.reshape(values.shape[0], -1) != 0, axis=1)
 
 
-def damaged(decoded: Decoded, values: jax.Array) -> jax.Array:
+def damaged(decoded: Decoded[jax.Array], values: jax.Array) -> jax.Array:
   """Per entry, whether the code was damaged by arithmetic.
 
   An entry that is not intact, or that reads "no row" while its values are
@@ -263,8 +270,8 @@ def damaged(decoded: Decoded, values: jax.Array) -> jax.Array:
           | (decoded.empty & _rows_nonzero(values)))
 
 
-def _damaged_on_host(code: Any, values: Any,
-                     num_rows: int) -> tuple[Decoded, Any] | None:
+def _damaged_on_host(code: jax.Array, values: jax.Array, num_rows: int
+                     ) -> tuple[Decoded[np.ndarray], np.ndarray] | None:
   """`(decoded, damaged)` in NumPy for concrete leaves, else None.
 
   The values are read (on their device) only where an entry is empty.
@@ -294,7 +301,8 @@ def check_varying(ids_or_code: jax.Array, values: jax.Array,
     raise ValueError(validate.reduced_values_message(where, sorted(missing)))
 
 
-def check(code: Any, values: Any, num_rows: int, where: str) -> None:
+def check(code: jax.Array, values: jax.Array, num_rows: int,
+          where: str) -> None:
   """Raises on damage to a code that is visible now.
 
   A cast or a reshape of the code raises always (trace time), damaged
@@ -317,11 +325,12 @@ def check(code: Any, values: Any, num_rows: int, where: str) -> None:
     hurt = damaged(decode(code, index_dtype(num_rows)), values)
     if isinstance(hurt, jax.core.Tracer):
       return
+    count = int(np.sum(hurt))
   else:
-    hurt = on_host[1]
-  if np.any(hurt):
+    count = int(np.sum(on_host[1]))
+  if count:
     raise ValueError(validate.damaged_ids_message(
-        where, int(np.sum(hurt)), values.shape[0]))
+        where, count, values.shape[0]))
 
 
 def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
@@ -346,8 +355,7 @@ def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
   """
   on_host = _damaged_on_host(code, values, num_rows)
   if on_host is not None:
-    read, hurt = on_host
-    return _placed(_kept(read, hurt, num_rows, np), code)
+    return _placed(_kept(*on_host, num_rows, np), code)
   decoded = decode(code, index_dtype(num_rows))
   hurt = damaged(decoded, values)
   if report and isinstance(hurt, jax.core.Tracer) and values.shape[0]:
@@ -360,7 +368,8 @@ def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
   return _kept(decoded, hurt, num_rows, jnp)
 
 
-def _kept(read: Decoded, hurt: Any, num_rows: int, xp: Any) -> Any:
+def _kept(read: Decoded[XpArray], hurt: XpArray, num_rows: int, xp: ModuleType
+          ) -> XpArray:
   """The intact in-range ids, `num_rows` elsewhere and everywhere if hurt."""
   ids = read.ids
   keep = read.intact & ~xp.any(hurt) & (ids >= 0) & (ids < num_rows)
@@ -378,21 +387,22 @@ class RowIds:
   """
 
   __slots__ = ('given', 'leaf', '_encoded')
-  given: Any
-  leaf: Any
-  _encoded: Any
+  given: Optional[jax.Array]
+  leaf: Optional[jax.Array]
+  _encoded: Optional[jax.Array]
 
-  def __init__(self, given: Any = None, leaf: Any = None):
+  def __init__(self, given: Optional[jax.Array] = None,
+               leaf: Optional[jax.Array] = None):
     code = None
     if given is not None and not isinstance(given, jax.core.Tracer):
       code = encode(given)  # once, when made: reading changes nothing
     for name, value in zip(self.__slots__, (given, leaf, code)):
       object.__setattr__(self, name, value)
 
-  def __setattr__(self, name: str, value: Any) -> None:
+  def __setattr__(self, name: str, value: object) -> None:
     raise AttributeError(f'RowIds is immutable (setting {name}).')
 
-  def code(self) -> Any:
+  def code(self) -> Optional[jax.Array]:
     """The id code `[N, C]`: the form the ids take as a pytree leaf."""
     if self.given is None:
       return self.leaf
@@ -400,25 +410,31 @@ class RowIds:
       return encode(self.given)  # traced: in the trace that reads it
     return self._encoded
 
-  def decoded(self, num_rows: int) -> Decoded:
+  def _leaf_code(self) -> jax.Array:
+    """The code rebuilt from leaves, where it is consumed (an array)."""
+    assert self.given is None and self.leaf is not None
+    return self.leaf
+
+  def decoded(self, num_rows: int) -> Decoded[jax.Array]:
     """The ids, and per entry whether it is intact and whether it is empty."""
     if self.given is None:
-      return decode(self.leaf, index_dtype(num_rows))
+      return decode(self._leaf_code(), index_dtype(num_rows))
     n = self.given.shape[0]
     return Decoded(self.given, jnp.ones((n,), bool), jnp.zeros((n,), bool))
 
-  def check(self, values: Any, num_rows: int, where: str) -> None:
+  def check(self, values: jax.Array, num_rows: int, where: str) -> None:
     """`check_varying`, and `check` of a code rebuilt from leaves."""
-    check_varying(self.leaf if self.given is None else self.given, values,
-                  where)
-    if self.given is None:
-      check(self.leaf, values, num_rows, where)
+    if self.given is not None:
+      check_varying(self.given, values, where)
+      return
+    check_varying(self._leaf_code(), values, where)
+    check(self._leaf_code(), values, num_rows, where)
 
-  def safe_ids(self, values: Any, num_rows: int, where: str,
-               report: bool) -> Any:
+  def safe_ids(self, values: jax.Array, num_rows: int, where: str,
+               report: bool) -> jax.Array:
     """`safe_ids` of a code rebuilt from leaves; the given ids in range."""
     if self.given is None:
-      return safe_ids(self.leaf, values, num_rows, where, report)
+      return safe_ids(self._leaf_code(), values, num_rows, where, report)
     ids = self.given
     return jnp.where((ids >= 0) & (ids < num_rows), ids,
                      jnp.asarray(num_rows, ids.dtype))

@@ -19,7 +19,7 @@ of `table[slot]`).
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional, TYPE_CHECKING
 import warnings
 
 import numpy as np
@@ -27,8 +27,11 @@ import numpy as np
 from lazy_optax._src import deprecations
 from lazy_optax._src import id_words
 
+if TYPE_CHECKING:
+  from lazy_optax._src.id_table import IdTableState
 
-def check_since_step(since_step: Any, where: str) -> int:
+
+def check_since_step(since_step: object, where: str) -> int:
   """`since_step` as an int, or a TypeError naming it."""
   if isinstance(since_step, bool) or not isinstance(since_step,
                                                     (int, np.integer)):
@@ -37,7 +40,7 @@ def check_since_step(since_step: Any, where: str) -> int:
   return int(since_step)
 
 
-def changes(id_state: Any, since: int, ttl: Optional[int], where: str
+def changes(id_state: IdTableState, since: int, ttl: Optional[int], where: str
             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """The host scan behind `IdTable.export_changes` (see its docstring).
 
@@ -68,7 +71,7 @@ def changes(id_state: Any, since: int, ttl: Optional[int], where: str
   changed_slots = np.flatnonzero(changed).astype(np.int64)
   changed_ids = id_words.join_words(words[changed_slots])
 
-  evicted: list[Any] = []
+  evicted: list[np.ndarray] = []
   if id_state.log_steps is not None:
     log_steps = np.asarray(id_state.log_steps).astype(np.int64)
     in_log = (log_steps >= 0) & (log_steps >= since)
@@ -84,7 +87,7 @@ def changes(id_state: Any, since: int, ttl: Optional[int], where: str
   return changed_ids, changed_slots, evicted_ids.astype(np.int64)
 
 
-def export_changes(id_state: Any, since_step: int
+def export_changes(id_state: IdTableState, since_step: int
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Deprecated: use `IdTable.export_changes(id_state, since_step)`.
 
@@ -121,7 +124,6 @@ def export_changes(id_state: Any, since_step: int
     raise TypeError(f'{where}: id_state must be an IdTableState, got '
                     f'{type(id_state).__name__}.')
   since = check_since_step(since_step, where)
-  state: Any = id_state
-  wheel = state.wheel
+  wheel = id_state.wheel
   size = 0 if wheel is None else int(np.shape(wheel)[0])
-  return changes(state, since, size - 1 if size else None, where)
+  return changes(id_state, since, size - 1 if size else None, where)

@@ -18,7 +18,6 @@ same on all of them:
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import jax
 from jax.extend import random as jax_random
@@ -95,7 +94,7 @@ def _split(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
   return words.reshape(*shape, 2)
 
 
-def _fold_in(key: jax.Array, data: Any) -> jax.Array:
+def _fold_in(key: jax.Array, data: jax.typing.ArrayLike) -> jax.Array:
   data = jnp.asarray(data).astype(jnp.uint32)
   first = mix32(key[0] ^ mix32(data ^ _u32(_SALT_FOLD)))
   return jnp.stack([first, mix32(key[1] ^ first)])
@@ -121,7 +120,7 @@ ID_PRNG_IMPL = jax_random.define_prng_impl(
     fold_in=_fold_in, name='lazy_optax_id_hash', tag='lzid')
 
 
-def key_words(key: Any) -> jax.Array:
+def key_words(key: jax.typing.ArrayLike) -> jax.Array:
   """A user PRNG key (typed or raw) as two uint32 words."""
   if isinstance(key, (jax.Array, jax.core.Tracer)) and jnp.issubdtype(
       key.dtype, jax.dtypes.prng_key):
@@ -142,7 +141,7 @@ def key_words(key: Any) -> jax.Array:
   return jnp.stack([first, second])
 
 
-def id_keys(key: Any, words: jax.Array) -> jax.Array:
+def id_keys(key: jax.typing.ArrayLike, words: jax.Array) -> jax.Array:
   """One key per id (of `ID_PRNG_IMPL`), a function of the key and the id.
 
   Args:

@@ -16,7 +16,7 @@ scratch is not used (it stays all zero).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable, Optional, TYPE_CHECKING, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,12 @@ from lazy_optax._src import backend
 from lazy_optax._src import id_assign
 from lazy_optax._src import id_claims
 from lazy_optax._src.placement import placement
+
+if TYPE_CHECKING:
+  from lazy_optax._src.id_table import IdTable
+  from lazy_optax._src.id_table import IdTableState
+
+Out = TypeVar('Out')  # what `on_platform`'s two paths return
 
 # The kernel's event counts, in the order it writes them.
 EVENTS = ('admissions', 'evictions', 'rejections', 'overflows', 'unadmitted',
@@ -35,7 +41,7 @@ _NO_INT = jax.ShapeDtypeStruct((1,), jnp.int32)
 _NO_WORDS = jax.ShapeDtypeStruct((1, 2), jnp.uint32)
 
 
-def usable(table: Any, state: Any) -> bool:
+def usable(table: IdTable, state: IdTableState) -> bool:
   """Whether `assign` and `find` may take the kernels for this table.
 
   Args:
@@ -50,15 +56,16 @@ def usable(table: Any, state: Any) -> bool:
       placement(state.ids))
 
 
-def _or_stand_in(x: Any, like: jax.ShapeDtypeStruct) -> jax.Array:
+def _or_stand_in(x: Optional[jax.Array], like: jax.ShapeDtypeStruct
+                 ) -> jax.Array:
   return jnp.zeros(like.shape, like.dtype) if x is None else x
 
 
-def _attributes(table: Any) -> dict[str, Any]:
+def _attributes(table: IdTable) -> dict[str, Union[int, bool]]:
   sketch = table._sketch_shape  # pylint: disable=protected-access
   depth, width = sketch if sketch is not None else (1, 1)
   return dict(
-      capacity=table.capacity, probe=table.probe,
+      capacity=table.capacity, probe=id_assign.probe_size(table),
       eviction=_EVICTION_CODES[table.eviction],
       admit_after=table.admit_after, rounds=table.rounds,
       lfu_period=table.lfu_period, seed=table.seed,
@@ -68,8 +75,9 @@ def _attributes(table: Any) -> dict[str, Any]:
       log_size=table._log_size)  # pylint: disable=protected-access
 
 
-def assign(table: Any, state: Any, words: jax.Array, now: jax.Array
-           ) -> tuple[jax.Array, Any, jax.Array, jax.Array]:
+def assign(table: IdTable, state: IdTableState, words: jax.Array,
+           now: jax.Array
+           ) -> tuple[jax.Array, IdTableState, jax.Array, jax.Array]:
   """One `assign` call through the kernel.
 
   Args:
@@ -120,18 +128,20 @@ def assign(table: Any, state: Any, words: jax.Array, now: jax.Array
   return slots, new_state, fresh, e['no_room']
 
 
-def find(table: Any, state: Any, words: jax.Array) -> jax.Array:
+def find(table: IdTable, state: IdTableState, words: jax.Array
+         ) -> jax.Array:
   """`IdTable.find`'s slots through the kernel (`usable` must hold)."""
   call = jax.ffi.ffi_call(
       'lazy_optax_LazyOptaxIdFind',
       jax.ShapeDtypeStruct((words.shape[0],), jnp.int32),
       vmap_method='sequential')
   return call(words.astype(jnp.uint32), state.ids, capacity=table.capacity,
-              probe=table.probe, seed=table.seed)
+              probe=id_assign.probe_size(table), seed=table.seed)
 
 
-def on_platform(table: Any, state: Any, cpu: Any, default: Any,
-                *args: Any) -> Any:
+def on_platform(table: IdTable, state: IdTableState,
+                cpu: Callable[..., Out], default: Callable[..., Out],
+                *args: Union[IdTableState, jax.Array]) -> Out:
   """`cpu(*args)` on CPU where `usable`, else (and elsewhere) `default`.
 
   The kernel's outputs take the dtypes of `default`'s (under x64, XLA's
@@ -141,7 +151,7 @@ def on_platform(table: Any, state: Any, cpu: Any, default: Any,
     return default(*args)
   like = jax.eval_shape(default, *args)
 
-  def cpu_like(*a: Any) -> Any:
+  def cpu_like(*a: Union[IdTableState, jax.Array]) -> Out:
     return jax.tree.map(lambda x, s: x.astype(s.dtype), cpu(*a), like)
 
   return jax.lax.platform_dependent(*args, cpu=cpu_like, default=default)

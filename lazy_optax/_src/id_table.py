@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterable, NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -172,7 +172,8 @@ class FreshRows(NamedTuple):
 
 # The capacity is static data of the pytree (known at trace time), the
 # slots and ids its leaves.
-def _fresh_rows_from(capacity: Optional[int], leaves: Any) -> FreshRows:
+def _fresh_rows_from(capacity: Optional[int], leaves: Iterable[jax.Array]
+                     ) -> FreshRows:
   slots, ids = leaves
   return FreshRows(slots, ids, capacity)
 
@@ -186,7 +187,7 @@ jax.tree_util.register_pytree_with_keys(
     lambda rows: ((rows.slots, rows.ids), rows.capacity))
 
 
-def _int_problem(value: Any, name: str, low: int,
+def _int_problem(value: object, name: str, low: int,
                  high: int) -> Optional[Exception]:
   """What is wrong with an int argument (None: nothing)."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
@@ -304,7 +305,7 @@ class IdTable:
     """Every bad argument, in signature order (none hides another)."""
     problems = []
 
-    def check(value: Any, name: str, low: int, high: int) -> bool:
+    def check(value: object, name: str, low: int, high: int) -> bool:
       problem = _int_problem(value, name, low, high)
       if problem is not None:
         problems.append(problem)
@@ -382,7 +383,8 @@ class IdTable:
     cpu_kernels.load_for(state)   # eagerly, on concrete CPU arrays only
     return state
 
-  def shardings(self, mesh: Any, axis: Any) -> IdTableState:
+  def shardings(self, mesh: jax.sharding.Mesh,
+                axis: Union[str, tuple[str, ...]]) -> IdTableState:
     """Shardings for the state: slot arrays split over `axis` of `mesh`.
 
     Slot `s` lives with row `s` of a table sharded by rows over the same
@@ -404,10 +406,13 @@ class IdTable:
     for name in names:
       devices *= mesh.shape[name]
 
-    def spec(*parts: Any) -> Any:
+    # Untyped (`Any`): the IdTableState built here holds shardings in fields
+    # typed as arrays.
+    def spec(*parts: Union[None, str, tuple[str, ...]]) -> Any:
       return jax.sharding.NamedSharding(mesh, P(*parts))
 
-    def split_if(size: int, *parts: Any) -> Any:
+    def split_if(size: int, *parts: Union[None, str, tuple[str, ...]]
+                 ) -> Any:
       return spec(*parts) if size % devices == 0 else spec()
 
     whole = spec()
@@ -429,7 +434,7 @@ class IdTable:
 
   # -- reading ----------------------------------------------------------------
 
-  def _check_state(self, state: Any, where: str) -> None:
+  def _check_state(self, state: object, where: str) -> None:
     if not isinstance(state, IdTableState):
       raise TypeError(f'{where}: the state must be the IdTableState from '
                       f'IdTable.init, got {type(state).__name__}.')
@@ -461,7 +466,7 @@ class IdTable:
               f'{w.dtype}{list(w.shape)}{hint}: was the state made by '
               'another IdTable?')
 
-  def find(self, state: IdTableState, raw_ids: Any, *,
+  def find(self, state: IdTableState, raw_ids: jax.typing.ArrayLike, *,
            ids_are_32bit: bool = False) -> jax.Array:
     """The slots of live ids, `capacity` for absent ones; never inserts.
 
@@ -574,7 +579,8 @@ class IdTable:
 
   # -- assign -----------------------------------------------------------------
 
-  def _step(self, state: IdTableState, step: Any, where: str) -> jax.Array:
+  def _step(self, state: IdTableState,
+            step: Optional[jax.typing.ArrayLike], where: str) -> jax.Array:
     if step is None:
       return state.step + 1
     if isinstance(step, bool) or not jnp.issubdtype(jnp.result_type(step),
@@ -593,7 +599,8 @@ class IdTable:
     # Under jit a step before the state's counts as the state's step.
     return jnp.maximum(jnp.asarray(step, jnp.int32), state.step)
 
-  def assign(self, state: IdTableState, raw_ids: Any, step: Any = None, *,
+  def assign(self, state: IdTableState, raw_ids: jax.typing.ArrayLike,
+             step: Optional[jax.typing.ArrayLike] = None, *,
              ids_are_32bit: bool = False
              ) -> tuple[jax.Array, IdTableState, FreshRows]:
     """Slots for a batch of raw ids, inserting new ids (see the module doc).
@@ -637,6 +644,7 @@ class IdTable:
       # Under an Explicit mesh the claims run with the mesh's axes made
       # Auto (XLA partitions the gathers and scatters as for any step); the
       # state keeps its shardings, the batch-sized outputs are replicated.
+      # `Any`: a sharding where FreshRows has arrays (out_sharding below).
       whole: Any = jax.sharding.NamedSharding(mesh,
                                               jax.sharding.PartitionSpec())
       specs = jax.tree.map(lambda x: jax.typeof(x).sharding, state)

@@ -16,7 +16,7 @@ at trace time unless the caller says they are 32-bit (`ids_are_32bit`).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -28,15 +28,16 @@ MAX_ID = 2 ** 63 - 1
 _HIGH_LIMIT = 2 ** 31
 
 
-def _is_tracer(x: Any) -> bool:
+def _is_tracer(x: object) -> bool:
   return isinstance(x, jax.core.Tracer)
 
 
-def _dtype_of(ids: Any) -> np.dtype:
+def _dtype_of(ids: object) -> np.dtype:
   return np.dtype(getattr(ids, 'dtype', None) or np.asarray(ids).dtype)
 
 
-def split_ids(ids: Any, *, ids_are_32bit: bool = False) -> Any:
+def split_ids(ids: Union[jax.typing.ArrayLike, Sequence[int]], *,
+              ids_are_32bit: bool = False) -> Union[np.ndarray, jax.Array]:
   """Raw ids as `uint32[..., 2]` words (high, low), for use inside `jax.jit`.
 
   JAX without `jax_enable_x64` has no 64-bit integers: a NumPy int64 array
@@ -107,13 +108,13 @@ def _split_host(host: np.ndarray) -> np.ndarray:
                    (wide & np.uint64(0xFFFFFFFF)).astype(np.uint32)], axis=-1)
 
 
-def _check_flag(ids_are_32bit: Any, where: str) -> None:
+def _check_flag(ids_are_32bit: object, where: str) -> None:
   if not isinstance(ids_are_32bit, bool):
     raise TypeError(f'{where}: ids_are_32bit must be a bool, got '
                     f'{ids_are_32bit!r}.')
 
 
-def _check_not_bool(ids: Any, where: str, name: str) -> None:
+def _check_not_bool(ids: object, where: str, name: str) -> None:
   if isinstance(ids, (bool, np.bool_)) or _dtype_of(ids) == np.bool_:
     raise TypeError(
         f'{where}: {name} must be integers, got booleans (dtype bool). A '
@@ -193,7 +194,8 @@ def _split_jax(ids: jax.Array) -> jax.Array:
   return jnp.stack([high, low], axis=-1)
 
 
-def _words_in(raw_ids: Any, where: str) -> tuple[jax.Array, tuple[int, ...]]:
+def _words_in(raw_ids: Union[jax.Array, np.ndarray], where: str
+              ) -> tuple[jax.Array, tuple[int, ...]]:
   """`uint32[..., 2]` words as JAX words `[N, 2]` (concrete ones checked)."""
   shape = tuple(raw_ids.shape)
   if not shape or shape[-1] != 2:
@@ -209,11 +211,10 @@ def _words_in(raw_ids: Any, where: str) -> tuple[jax.Array, tuple[int, ...]]:
       raise ValueError(
           f'{where}: id words with a high word >= 2**31 are not ids in '
           f'[0, 2**63 - 1] (first at flat position {first}).')
-  words = raw_ids if _is_tracer(raw_ids) else jnp.asarray(raw_ids)
-  return words.reshape(-1, 2), shape[:-1]
+  return jnp.asarray(raw_ids).reshape(-1, 2), shape[:-1]
 
 
-def to_words(raw_ids: Any, where: str, *, ids_are_32bit: bool = False
+def to_words(raw_ids: object, where: str, *, ids_are_32bit: bool = False
              ) -> tuple[jax.Array, tuple[int, ...]]:
   """Any accepted raw-id input as JAX words `[N, 2]`, and the ids' shape.
 
@@ -257,7 +258,7 @@ def to_words(raw_ids: Any, where: str, *, ids_are_32bit: bool = False
   _check_integer(dtype, where, name)
   if dtype == np.uint32:
     return _words_in(raw_ids, where)
-  if _is_tracer(raw_ids):
+  if isinstance(raw_ids, jax.core.Tracer):
     if dtype.itemsize < 8 and not ids_are_32bit:
       _refuse_narrow_tracer(dtype, where, name)
     words = _split_jax(raw_ids)
@@ -272,7 +273,7 @@ def to_words(raw_ids: Any, where: str, *, ids_are_32bit: bool = False
   return words.reshape(-1, 2), shape
 
 
-def join_words(words: Any) -> np.ndarray:
+def join_words(words: jax.typing.ArrayLike) -> np.ndarray:
   """Words `[..., 2]` back to NumPy int64 ids (on the host)."""
   host = np.asarray(words).astype(np.uint64)
   return ((host[..., 0] << np.uint64(32)) | host[..., 1]).astype(np.int64)

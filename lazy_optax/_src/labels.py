@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable
 
+import chex
 import jax
+import optax
 
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import is_sparse_rows
@@ -12,7 +14,7 @@ from lazy_optax._src.sparse_rows import is_sparse_rows
 
 def path_labels(
     label_of: Callable[[str], Hashable],
-) -> Callable[[Any], Any]:
+) -> Callable[[optax.Params], chex.ArrayTree]:
   """A label function for `optax.partition` that labels leaves by path.
 
   `optax.partition` calls a callable label function on the parameters at
@@ -53,7 +55,7 @@ def path_labels(
         'path_labels takes a function from a path name to a label, got '
         f'{type(label_of).__name__}.')
 
-  def labels(tree: Any) -> Any:
+  def labels(tree: optax.Params) -> chex.ArrayTree:
     return jax.tree_util.tree_map_with_path(
         lambda path, _: label_of(path_name(path)), tree,
         is_leaf=is_sparse_rows)

@@ -410,14 +410,17 @@ def _new_state(blocks: _Blocks, state: Any, new_row_state: Any,
 def _report(plan: _Plan, new_row_state: Any, log: list[row_context.Choice]
             ) -> None:
   """Adds each table's choice to `explain_update`'s log: as decided, or as
-  the rule ran it (a rule's own `impl=` narrows `lazy`'s decision)."""
+  the rule ran it (a rule's own `impl=`, or a nested `lazy`'s, narrows the
+  decision for its tables; the row moves stay this `lazy`'s)."""
   ran = {(t.name, t.rule): t.backend for t in jax.tree.leaves(
       new_row_state, is_leaf=fused.is_table_rows)
          if isinstance(t, fused.TableRows)}
-  for choice in plan.choices.values():
+  for (pos, _), choice in plan.choices.items():
     backend = ran.get((choice.parameter, choice.rule))
     if backend is not None and backend.kind != choice.impl:
-      choice = choice._replace(impl=backend.kind, reason=backend.reason)
+      choice = choice._replace(
+          impl=backend.kind,
+          reason=backend.reason + _moves_note(plan.moves[pos]))
     log.append(choice)
 
 

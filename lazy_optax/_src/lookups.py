@@ -21,10 +21,12 @@ The ids are checked by one validator, `check_ids`, in every entry point.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
 import numpy as np
 
 from lazy_optax._src import validate
@@ -39,7 +41,7 @@ def where_of(caller: str, path: Optional[str]) -> str:
   return f'{caller} of table {path}' if path else caller
 
 
-def check_ids(ids: Any, where: str,
+def check_ids(ids: ArrayLike | Sequence[int], where: str,
               num_rows: Optional[int] = None) -> jax.Array:
   """The lookup ids as an array; they must have an integer dtype.
 
@@ -65,11 +67,11 @@ def check_ids(ids: Any, where: str,
   return ids
 
 
-def _rows_of(table: Any) -> Optional[int]:
+def _rows_of(table: ArrayLike) -> Optional[int]:
   return jnp.shape(table)[0] if jnp.ndim(table) else None
 
 
-def _check_table(table: Any, where: str) -> None:
+def _check_table(table: ArrayLike, where: str) -> None:
   if jnp.ndim(table) < 1:
     raise ValueError(
         f'{where}: the table must have at least one dimension (its rows), got '
@@ -103,8 +105,9 @@ def check_in_range(ids: jax.Array, active: Optional[jax.Array],
         id=int(host.reshape(-1)[first]), position=index, count=int(bad.sum())))
 
 
-def _gather(table: Any, ids: jax.Array, active: Optional[jax.Array],
-            dtype: Any, caller: str, path: Optional[str]) -> jax.Array:
+def _gather(table: ArrayLike, ids: jax.Array, active: Optional[jax.Array],
+            dtype: Optional[DTypeLike], caller: str,
+            path: Optional[str]) -> jax.Array:
   """Reads `table[ids]` under the one rule for ids; see the module doc."""
   recorder = active_recorder()
   if recorder is not None:
@@ -120,8 +123,8 @@ def _gather(table: Any, ids: jax.Array, active: Optional[jax.Array],
   return plain_rows(table, ids, active, dtype)
 
 
-def plain_rows(table: Any, ids: jax.Array, active: Optional[jax.Array],
-               dtype: Any = None) -> jax.Array:
+def plain_rows(table: ArrayLike, ids: jax.Array, active: Optional[jax.Array],
+               dtype: Optional[DTypeLike] = None) -> jax.Array:
   """The rows as `jax.grad` sees them: a dense gradient, none for inactive.
 
   Inactive slots (padding, masked) read their rows but pass no gradient.
@@ -146,7 +149,8 @@ def not_padding(ids: jax.Array, padding_id: Optional[int],
   return ids != int(padding_id)
 
 
-def lookup_rows(table: Any, ids: Any, *, dtype: Any = None,
+def lookup_rows(table: ArrayLike, ids: ArrayLike | Sequence[int], *,
+                dtype: Optional[DTypeLike] = None,
                 padding_id: Optional[int] = None,
                 path: Optional[str] = None,
                 caller: str = 'lookup') -> jax.Array:
@@ -156,7 +160,8 @@ def lookup_rows(table: Any, ids: Any, *, dtype: Any = None,
   return _gather(table, ids, active, dtype, caller, path)
 
 
-def lookup(table: Any, ids: Any, dtype: Any = None, *,
+def lookup(table: ArrayLike, ids: ArrayLike,
+           dtype: Optional[DTypeLike] = None, *,
            padding_id: Optional[int] = None) -> jax.Array:
   """Rows `table[ids]`, whose gradient `value_and_grad` returns row-sparse.
 
@@ -194,7 +199,8 @@ def lookup(table: Any, ids: Any, dtype: Any = None, *,
   return lookup_rows(table, ids, dtype=dtype, padding_id=padding_id)
 
 
-def _check_bag_args(ids: jax.Array, mode: str, mask: Any, lengths: Any,
+def _check_bag_args(ids: jax.Array, mode: str, mask: Optional[ArrayLike],
+                    lengths: Optional[ArrayLike],
                     where: str) -> None:
   """Refuses ids not `[batch, max_len]`, a bad mode, both mask and lengths."""
   if ids.ndim != 2:
@@ -207,7 +213,7 @@ def _check_bag_args(ids: jax.Array, mode: str, mask: Any, lengths: Any,
     raise ValueError(f'{where}: give mask or lengths, not both.')
 
 
-def _bag_mask(mask: Any, ids: jax.Array, where: str) -> jax.Array:
+def _bag_mask(mask: ArrayLike, ids: jax.Array, where: str) -> jax.Array:
   """`mask` as an array; it must be boolean, of the ids' shape."""
   mask = mask if isinstance(mask, jax.core.Tracer) else jnp.asarray(mask)
   if mask.shape != ids.shape or mask.dtype != jnp.bool_:
@@ -217,7 +223,7 @@ def _bag_mask(mask: Any, ids: jax.Array, where: str) -> jax.Array:
   return mask
 
 
-def _bag_lengths(lengths: Any, ids: jax.Array, where: str) -> jax.Array:
+def _bag_lengths(lengths: ArrayLike, ids: jax.Array, where: str) -> jax.Array:
   """`lengths` as integers `[batch]`, each in `[0, max_len]` where concrete."""
   lengths = check_ids(lengths, where + ' (lengths)')
   if lengths.shape != ids.shape[:1]:
@@ -235,7 +241,8 @@ def _bag_lengths(lengths: Any, ids: jax.Array, where: str) -> jax.Array:
   return lengths
 
 
-def _bag_members(ids: jax.Array, mask: Any, lengths: Any,
+def _bag_members(ids: jax.Array, mask: Optional[ArrayLike],
+                 lengths: Optional[ArrayLike],
                  padding_id: Optional[int], where: str) -> jax.Array:
   """Which slots are in their bag: inside `mask` or `lengths`, not padding.
 
@@ -253,8 +260,8 @@ def _bag_members(ids: jax.Array, mask: Any, lengths: Any,
   return member
 
 
-def _bag_weights(per_sample_weights: Any, ids: jax.Array, mode: str,
-                 where: str) -> Optional[jax.Array]:
+def _bag_weights(per_sample_weights: Optional[ArrayLike], ids: jax.Array,
+                 mode: str, where: str) -> Optional[jax.Array]:
   """The weights as an array (None without them): floating, the ids' shape.
 
   Refused with `mode='max'`, as in `torch.nn.EmbeddingBag`.
@@ -312,9 +319,12 @@ def _weighted_pool(rows: jax.Array, slot: jax.Array, member: jax.Array,
       total.dtype)
 
 
-def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
-             mode: str = 'mean', per_sample_weights: Any = None,
-             padding_id: Optional[int] = None, dtype: Any = None,
+def bag_rows(table: ArrayLike, ids: ArrayLike | Sequence[int], *,
+             mask: Optional[ArrayLike] = None,
+             lengths: Optional[ArrayLike] = None, mode: str = 'mean',
+             per_sample_weights: Optional[ArrayLike] = None,
+             padding_id: Optional[int] = None,
+             dtype: Optional[DTypeLike] = None,
              path: Optional[str] = None,
              caller: str = 'lookup_bag') -> jax.Array:
   """`lookup_bag`, for the layers: `path` names the table in messages."""
@@ -330,10 +340,12 @@ def bag_rows(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
   return _weighted_pool(rows, slot, member, weights, mode)
 
 
-def lookup_bag(table: Any, ids: Any, *, mask: Any = None, lengths: Any = None,
-               mode: str = 'mean', per_sample_weights: Any = None,
+def lookup_bag(table: ArrayLike, ids: ArrayLike, *,
+               mask: Optional[ArrayLike] = None,
+               lengths: Optional[ArrayLike] = None, mode: str = 'mean',
+               per_sample_weights: Optional[ArrayLike] = None,
                padding_id: Optional[int] = None,
-               dtype: Any = None) -> jax.Array:
+               dtype: Optional[DTypeLike] = None) -> jax.Array:
   """Pooled rows of bags of ids, with a row-sparse gradient of the real ids.
 
   The counterpart of `torch.nn.EmbeddingBag` and TensorFlow's

@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Callable, Optional, Union
 
+import chex
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
+import numpy as np
+import optax
+
+# `optax.adamw`'s `mask`: a tree of bools like the parameters, or a function
+# of the parameters giving one.
+Mask = Union[chex.ArrayTree, Callable[[optax.Params], chex.ArrayTree]]
 
 
 def broadcast_rows(per_row: jax.Array, like: jax.Array) -> jax.Array:
@@ -13,12 +22,13 @@ def broadcast_rows(per_row: jax.Array, like: jax.Array) -> jax.Array:
   return per_row.reshape(per_row.shape + (1,) * (like.ndim - per_row.ndim))
 
 
-def compute_dtype(*dtypes: Any) -> Any:
+def compute_dtype(*dtypes: DTypeLike) -> np.dtype:
   """The dtype to compute in: at least float32, wider if an input is."""
   return jnp.promote_types(jnp.float32, jnp.result_type(*dtypes))
 
 
-def one_minus_power(decay: Any, count: jax.Array, dtype: Any) -> jax.Array:
+def one_minus_power(decay: ArrayLike, count: jax.Array,
+                    dtype: DTypeLike) -> jax.Array:
   """`1 - decay**count`, computed from `1 - decay` to keep its precision.
 
   `1 - float32(0.999)` is 1.3e-5 off `0.001`; taking `1 - decay` in Python
@@ -44,7 +54,7 @@ def one_minus_power(decay: Any, count: jax.Array, dtype: Any) -> jax.Array:
   return -jnp.expm1(t * jnp.log1p(-one_minus_decay))
 
 
-def power(decay: Any, count: jax.Array, dtype: Any) -> jax.Array:
+def power(decay: ArrayLike, count: jax.Array, dtype: DTypeLike) -> jax.Array:
   """`decay**count` from the same `1 - decay` as `one_minus_power`."""
   one_minus_decay = jnp.asarray(1 - decay, dtype)
   return jnp.exp(jnp.asarray(count).astype(dtype)
@@ -68,7 +78,8 @@ def row_mean_square(g: jax.Array) -> jax.Array:
   return jnp.mean(g * g, axis=tuple(range(1, g.ndim)))
 
 
-def per_row_full(p: Any, dtype: Any, value: float = 0.0) -> jax.Array:
+def per_row_full(p: ArrayLike, dtype: Optional[DTypeLike],
+                 value: float = 0.0) -> jax.Array:
   """A `[num_rows]` array (a scalar for a scalar `p`) filled with `value`.
 
   The dtype defaults to float32 (float64 for a float64 parameter): one
@@ -80,7 +91,7 @@ def per_row_full(p: Any, dtype: Any, value: float = 0.0) -> jax.Array:
   return jnp.full(jnp.shape(p)[:1], value, dtype)
 
 
-def is_zero(x: Any) -> bool:
+def is_zero(x: object) -> bool:
   """Whether `x` is a Python number equal to 0 (never true for arrays).
 
   Hyperparameters may arrive as arrays (`optax.inject_hyperparams`), even
@@ -89,7 +100,8 @@ def is_zero(x: Any) -> bool:
   return isinstance(x, (int, float)) and not isinstance(x, bool) and x == 0
 
 
-def mask_leaves(mask: Any, params: Any, treedef: Any) -> list[Any]:
+def mask_leaves(mask: Optional[Mask], params: optax.Params,
+                treedef: jax.tree_util.PyTreeDef) -> list[bool]:
   """`optax.adamw`'s `mask` (a tree of bools, a callable or None), flattened
   along `treedef`: one bool per leaf."""
   if mask is None:

@@ -26,7 +26,7 @@ For a one-dimensional parameter (one entry per row) the rule is
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import chex
 import jax
@@ -34,12 +34,12 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
-from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
 from lazy_optax._src.numerics import is_zero
+from lazy_optax._src.numerics import Mask
 from lazy_optax._src.numerics import one_minus_power
 from lazy_optax._src.numerics import per_row_full
 from lazy_optax._src.numerics import row_mean_square
@@ -56,55 +56,61 @@ fused.declare(ScaleByPartialRowwiseAdamState, fused.RuleFacts(
     'partial_rowwise_adam', ('mu', 'nu'), 'LazyOptaxPartialRowwiseAdam'))
 
 
+class PartialRowwiseAdamHyper(NamedTuple):
+  """The rule's hyperparameters at one step (`new_rows`, `step`)."""
+  b1: jax.typing.ArrayLike
+  b2: jax.typing.ArrayLike
+  eps: jax.typing.ArrayLike
+  eps_root: jax.typing.ArrayLike
+  count: chex.Array  # int32 scalar, the new global step
+
+
 class PartialRowwiseAdamKernelHyper(NamedTuple):
-  """The partial row-wise Adam kernel's hyperparameters: rows.cc's
-  `PARTIAL_ROWWISE_ADAM_FIELDS`, in order."""
-  b1: Any
-  one_minus_b1: Any
-  b2: Any
-  one_minus_b2: Any
-  eps: Any
-  eps_root: Any
-  bias_correction1: Any  # 1 - b1^t
-  bias_correction2: Any  # 1 - b2^t
+  """The partial row-wise Adam kernel's record: rows.cc's
+  `PARTIAL_ROWWISE_ADAM_FIELDS`, in order, made by `_kernel_hyper`."""
+  b1: jax.typing.ArrayLike
+  one_minus_b1: jax.typing.ArrayLike
+  b2: jax.typing.ArrayLike
+  one_minus_b2: jax.typing.ArrayLike
+  eps: jax.typing.ArrayLike
+  eps_root: jax.typing.ArrayLike
+  bias_correction1: jax.Array  # 1 - b1^t
+  bias_correction2: jax.Array  # 1 - b2^t
+
+
+def _kernel_hyper(h: PartialRowwiseAdamHyper
+                  ) -> PartialRowwiseAdamKernelHyper:
+  """The kernel's record: `1 - b` and the corrections computed once."""
+  return PartialRowwiseAdamKernelHyper(
+      h.b1, 1 - h.b1, h.b2, 1 - h.b2, h.eps, h.eps_root,
+      one_minus_power(h.b1, h.count, jnp.float32),
+      one_minus_power(h.b2, h.count, jnp.float32))
 
 
 def _rule() -> fused.RowRule:
-  """Partial row-wise Adam as a `RowRule`.
+  """Partial row-wise Adam as a `RowRule` of a `PartialRowwiseAdamHyper`."""
 
-  `hyper` is `dict(b1, b2, eps, eps_root, count)`, `count` the new step.
-  """
-
-  def new_rows(g, rows, params, hyper):
+  def new_rows(g, rows, params, hyper: PartialRowwiseAdamHyper):
     del params
-    b1, b2 = hyper['b1'], hyper['b2']
+    b1, b2 = hyper.b1, hyper.b2
     dtype = compute_dtype(g.dtype, rows['mu'].dtype, rows['nu'].dtype)
     g = g.astype(dtype)
     return {'mu': b1 * rows['mu'].astype(dtype) + (1 - b1) * g,
             'nu': b2 * rows['nu'].astype(dtype) + (1 - b2) * row_mean_square(
                 g)}
 
-  def step(g, stored, params, hyper):
+  def step(g, stored, params, hyper: PartialRowwiseAdamHyper):
     del g, params
     m, v = stored['mu'], stored['nu']
     dtype = compute_dtype(m.dtype, v.dtype)
-    m_hat = m.astype(dtype) / one_minus_power(hyper['b1'], hyper['count'],
-                                              dtype)
-    v_hat = v.astype(dtype) / one_minus_power(hyper['b2'], hyper['count'],
-                                              dtype)
-    denom = (jnp.sqrt(v_hat + jnp.asarray(hyper['eps_root'], dtype))
-             + jnp.asarray(hyper['eps'], dtype))
+    m_hat = m.astype(dtype) / one_minus_power(hyper.b1, hyper.count, dtype)
+    v_hat = v.astype(dtype) / one_minus_power(hyper.b2, hyper.count, dtype)
+    denom = (jnp.sqrt(v_hat + jnp.asarray(hyper.eps_root, dtype))
+             + jnp.asarray(hyper.eps, dtype))
     return m_hat / broadcast_rows(denom, m_hat)
 
-  def kernel_hyper(hyper):
-    b1, b2, count = hyper['b1'], hyper['b2'], hyper['count']
-    return PartialRowwiseAdamKernelHyper(
-        b1, 1 - b1, b2, 1 - b2, hyper['eps'], hyper['eps_root'],
-        one_minus_power(b1, count, jnp.float32),
-        one_minus_power(b2, count, jnp.float32))
-
   return fused.RowRule('partial_rowwise_adam', new_rows, step, ('mu', 'nu'),
-                       'LazyOptaxPartialRowwiseAdam', kernel_hyper)
+                       'LazyOptaxPartialRowwiseAdam', _kernel_hyper)
 
 
 def _partial_rowwise_adam_rule(
@@ -113,8 +119,8 @@ def _partial_rowwise_adam_rule(
     b2: float,
     eps: float,
     eps_root: float,
-    mu_dtype: Optional[Any],
-    nu_dtype: Optional[Any],
+    mu_dtype: Optional[jax.typing.DTypeLike],
+    nu_dtype: Optional[jax.typing.DTypeLike],
     impl: str,
 ) -> optax.GradientTransformationExtraArgs:
   """The rule, dense or fused inside `lazy(...)`."""
@@ -129,10 +135,10 @@ def _partial_rowwise_adam_rule(
   def update_fn(updates, state, params=None, **extra_args):
     del params
     count = optax.safe_increment(state.count)
+    hyper = PartialRowwiseAdamHyper(b1=b1, b2=b2, eps=eps, eps_root=eps_root,
+                                    count=count)
     new_updates, new = fused.apply_rule(
-        rule, updates, {'mu': state.mu, 'nu': state.nu}, None,
-        dict(b1=b1, b2=b2, eps=eps, eps_root=eps_root, count=count), impl,
-        context=row_context.context_of(extra_args))
+        rule, updates, {'mu': state.mu, 'nu': state.nu}, None, hyper, impl)
     return new_updates, ScaleByPartialRowwiseAdamState(count, **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -143,9 +149,9 @@ def scale_by_partial_rowwise_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    mu_dtype: Optional[Any] = None,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
     *,
-    nu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Rescales updates by partial row-wise Adam (no learning rate).
@@ -189,7 +195,7 @@ def scale_by_partial_rowwise_adam(
   fused.check_impl(impl, 'scale_by_partial_rowwise_adam')
   return lazy(_partial_rowwise_adam_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-      nu_dtype=nu_dtype, impl=impl))
+      nu_dtype=nu_dtype, impl=impl), impl=impl)
 
 
 def partial_rowwise_adam(
@@ -198,11 +204,11 @@ def partial_rowwise_adam(
     b2: float = 0.999,
     eps: float = 1e-8,
     eps_root: float = 0.0,
-    mu_dtype: Optional[Any] = None,
+    mu_dtype: Optional[jax.typing.DTypeLike] = None,
     weight_decay: float = 0.0,
-    mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    mask: Optional[Mask] = None,
     *,
-    nu_dtype: Optional[Any] = None,
+    nu_dtype: Optional[jax.typing.DTypeLike] = None,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Partial row-wise Adam(W): half of Adam's state, lazy on `SparseRows`.
@@ -254,4 +260,4 @@ def partial_rowwise_adam(
   if not is_zero(weight_decay):
     parts.append(optax.add_decayed_weights(weight_decay, mask))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  return lazy(optax.chain(*parts))
+  return lazy(optax.chain(*parts), impl=impl)

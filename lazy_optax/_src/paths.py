@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 
 
-def _key_name(key: Any) -> str:
+def _key_name(key: object) -> str:
   for attr in ('key', 'name', 'idx'):
     if hasattr(key, attr):
       return str(getattr(key, attr))
   return str(key)
 
 
-def path_name(path: tuple[Any, ...]) -> str:
+def path_name(path: jax.tree_util.KeyPath) -> str:
   """A path of JAX tree keys as a `/`-separated name, e.g. `'emb/table'`.
 
   A trailing `value` attribute (the array inside a Flax `nnx.Variable`, which

@@ -10,8 +10,9 @@ sequence index as its number. So `{'encoder': {'embedding': t}}` gives
 from __future__ import annotations
 
 import re
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Callable, Mapping, Sequence, Union
 
+import chex
 import jax
 import optax
 
@@ -23,7 +24,7 @@ from lazy_optax._src.sparse_rows import is_sparse_rows
 _DEFAULT = 'default'
 
 
-def _paths(tree: Any) -> list[str]:
+def _paths(tree: chex.ArrayTree) -> list[str]:
   return [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(
       tree, is_leaf=is_sparse_rows)]
 
@@ -35,7 +36,9 @@ _KERAS_HINT = (
     'pattern_lrs]')
 
 
-def _normalize_groups(pattern_lrs: PatternLRs) -> list[tuple[list, Any]]:
+def _normalize_groups(
+    pattern_lrs: PatternLRs,
+) -> list[tuple[list[re.Pattern[str]], optax.ScalarOrSchedule]]:
   """Checks the `(patterns, lr)` pairs and compiles their patterns."""
   if isinstance(pattern_lrs, (Mapping, str)):
     raise TypeError(
@@ -77,7 +80,10 @@ def _normalize_groups(pattern_lrs: PatternLRs) -> list[tuple[list, Any]]:
   return groups
 
 
-def _label_of(path: str, groups: list[tuple[list, Any]]) -> str:
+def _label_of(
+    path: str,
+    groups: list[tuple[list[re.Pattern[str]], optax.ScalarOrSchedule]],
+) -> str:
   for i, (patterns, _) in enumerate(groups):
     if any(p.search(path) for p in patterns):
       return f'pattern_{i}'

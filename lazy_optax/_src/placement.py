@@ -20,9 +20,10 @@ A concrete array (an eager call) says the same through its `sharding`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import jax
+from jax.typing import ArrayLike
 
 
 class Placement(NamedTuple):
@@ -46,19 +47,20 @@ class Placement(NamedTuple):
   split_within_rows: bool = False
 
 
-def _row_axes(spec: Any) -> tuple[str, ...]:
+def _row_axes(
+    spec: tuple[Union[str, tuple[str, ...], None], ...]) -> tuple[str, ...]:
   if not len(spec) or spec[0] is None:
     return ()
   first = spec[0]
   return tuple(first) if isinstance(first, (tuple, list)) else (first,)
 
 
-def _platform(mesh: Any) -> Optional[str]:
+def _platform(mesh: object) -> Optional[str]:
   device = getattr(mesh, 'abstract_device', None)
   return getattr(device, 'platform', None)
 
 
-def placement(x: Any) -> Placement:
+def placement(x: ArrayLike) -> Placement:
   """Where `x` (a concrete array or a traced value) lives."""
   if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
     devices = x.sharding.device_set

@@ -17,7 +17,7 @@ Cost: O(batch x row size); nothing reads or writes a whole table.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Callable, Mapping, NamedTuple, Optional
 import weakref
 import zlib
 
@@ -32,11 +32,14 @@ from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.id_table import FreshRows
 from lazy_optax._src.paths import path_name
 
-_OWNER_CACHES: 'weakref.WeakKeyDictionary[Any, row_state.OwnerCache]' = (
-    weakref.WeakKeyDictionary())
+_OWNER_CACHES: weakref.WeakKeyDictionary[
+    optax.TransformInitFn, row_state.OwnerCache] = weakref.WeakKeyDictionary()
+# What a reset carries from chunk to chunk: the tables and the state leaves
+# they own.
+_Carry = tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]
 
 
-def _owner_cache(init_fn: Any) -> row_state.OwnerCache:
+def _owner_cache(init_fn: optax.TransformInitFn) -> row_state.OwnerCache:
   try:
     cache = _OWNER_CACHES.get(init_fn)
     if cache is None:
@@ -50,9 +53,9 @@ def _name_salt(name: str) -> int:
   return zlib.crc32(name.encode('utf-8'))
 
 
-def fresh_rows(init: Callable[..., Any], key: Any, ids: jax.Array,
-               row_shape: tuple[int, ...], dtype: Any,
-               name: str) -> jax.Array:
+def fresh_rows(init: Callable[..., jax.Array], key: jax.typing.ArrayLike,
+               ids: jax.Array, row_shape: tuple[int, ...],
+               dtype: jax.typing.DTypeLike, name: str) -> jax.Array:
   """The initial rows of ids: `init` with a key from the raw id and table.
 
   The same (key, table name, raw id) always gives the same row.
@@ -100,8 +103,8 @@ def _chunk_size(n: int) -> int:
   return max(256, -(-n // 8))
 
 
-def _chunks_skipping(reset_chunk: Callable[[int, int, Any], Any], n: int,
-                     size: int, carry: Any, count: jax.Array) -> Any:
+def _chunks_skipping(reset_chunk: Callable[[int, int, _Carry], _Carry], n: int,
+                     size: int, carry: _Carry, count: jax.Array) -> _Carry:
   """`reset_chunk` chunk by chunk, skipping (`lax.cond`) those past `count`
   (the CPU's version; elsewhere one `reset_chunk(0, n)` gives the same bits:
   the entries past `count` name no row and their writes drop)."""
@@ -113,14 +116,15 @@ def _chunks_skipping(reset_chunk: Callable[[int, int, Any], Any], n: int,
 
 
 @functools.partial(jax.jit, static_argnums=(0, 2))
-def _fresh_state_leaves(init_fn: Any, params: Any,
-                        wanted: tuple[int, ...]) -> list[Any]:
+def _fresh_state_leaves(init_fn: optax.TransformInitFn, params: optax.Params,
+                        wanted: tuple[int, ...]) -> list[jax.Array]:
   """`tx.init(params)`'s leaves at `wanted` (jitted: the rest is removed)."""
   leaves = jax.tree.leaves(init_fn(params))
   return [leaves[i] for i in wanted]
 
 
-def _check_fresh(name: str, rows: Any, table: Any) -> None:
+def _check_fresh(name: str, rows: object, table: jax.typing.ArrayLike
+                 ) -> None:
   where = f'reset_rows: table {name}'
   if not isinstance(rows, FreshRows):
     raise TypeError(
@@ -151,13 +155,13 @@ def _check_fresh(name: str, rows: Any, table: Any) -> None:
 
 def reset_rows(
     tx: optax.GradientTransformation,
-    params: Any,
-    opt_state: Any,
+    params: optax.Params,
+    opt_state: optax.OptState,
     fresh: Mapping[str, FreshRows],
     *,
-    init: Optional[Callable[..., Any]],
-    key: Any = None,
-) -> tuple[Any, Any]:
+    init: Optional[Callable[..., jax.Array]],
+    key: Optional[jax.typing.ArrayLike] = None,
+) -> tuple[optax.Params, optax.OptState]:
   """Re-initializes the rows of slots that changed owner, and their state.
 
   For each table named in `fresh` (by its path, as `lazy_optax.tree.path_name`
@@ -240,19 +244,21 @@ def reset_rows(
 
 class _Plan(NamedTuple):
   """What each chunk of a reset reads (the tables by their position)."""
-  init_fn: Any                      # tx.init
-  init: Any                         # the row initializer, or None for zeros
-  key: Any
-  rebuild: Callable[[list[Any]], Any]
+  init_fn: optax.TransformInitFn    # tx.init
+  init: Optional[Callable[..., jax.Array]]  # the row initializer (None: 0)
+  key: Optional[jax.typing.ArrayLike]
+  rebuild: Callable[[list[jax.Array]], optax.Params]
   names: list[str]                  # of the parameter leaves
-  leaves: list[Any]                 # the parameter leaves, before the reset
+  leaves: list[jax.Array]           # the parameter leaves, before the reset
   packed: dict[int, tuple[jax.Array, jax.Array, jax.Array]]  # by table, _pack's
   wanted: tuple[int, ...]           # the state leaves that a table owns
   owners: list[Optional[int]]       # of every state leaf
 
 
-def _state_owners(init_fn: Any, leaves: list[Any], rebuild: Any,
-                  positions: list[int], opt_state: Any) -> list[Optional[int]]:
+def _state_owners(init_fn: optax.TransformInitFn, leaves: list[jax.Array],
+                  rebuild: Callable[[list[jax.Array]], optax.Params],
+                  positions: list[int], opt_state: optax.OptState
+                  ) -> list[Optional[int]]:
   """`row_state.row_owners` of `opt_state`, for the tables at `positions`."""
   shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
             for x in leaves]
@@ -268,19 +274,22 @@ def _write_rows(leaf: jax.Array, slots: jax.Array,
                             **_sharding.scatter_kwargs(leaf))
 
 
-def _initial_rows(init: Any, key: Any, name: str, table: Any,
-                  slots: jax.Array, ids: jax.Array) -> jax.Array:
+def _initial_rows(init: Optional[Callable[..., jax.Array]],
+                  key: Optional[jax.typing.ArrayLike], name: str,
+                  table: jax.Array, slots: jax.Array, ids: jax.Array
+                  ) -> jax.Array:
   """`table`'s fresh rows for `slots` (ids `ids`): `init`'s, or zeros."""
   row_shape = tuple(jnp.shape(table)[1:])
   dtype = jnp.result_type(table)
   if init is None:
     return jnp.zeros((slots.shape[0], *row_shape), dtype)
+  assert key is not None  # reset_rows refuses an init without a key
   return fresh_rows(init, key, ids, row_shape, dtype, name).astype(dtype)
 
 
 def _reset_tables(plan: _Plan, start: int, size: int,
                   table_leaves: tuple[jax.Array, ...]
-                  ) -> tuple[tuple[jax.Array, ...], list[Any],
+                  ) -> tuple[tuple[jax.Array, ...], list[jax.Array],
                              dict[int, jax.Array]]:
   """Writes fresh entries `[start, start + size)` into every table.
 
@@ -303,7 +312,8 @@ def _reset_tables(plan: _Plan, start: int, size: int,
   return tuple(tables), stand_in, chunk_slots
 
 
-def _check_fresh_state(value: Any, slots: jax.Array, leaf: Any) -> None:
+def _check_fresh_state(value: jax.Array, slots: jax.Array, leaf: jax.Array
+                       ) -> None:
   """Refuses a fresh state leaf that is not one row per fresh slot."""
   expected = (slots.shape[0], *jnp.shape(leaf)[1:])
   if tuple(value.shape) != expected:
@@ -313,7 +323,7 @@ def _check_fresh_state(value: Any, slots: jax.Array, leaf: Any) -> None:
         f'expected {expected}.')
 
 
-def _reset_state(plan: _Plan, stand_in: list[Any],
+def _reset_state(plan: _Plan, stand_in: list[jax.Array],
                  chunk_slots: dict[int, jax.Array],
                  owned_leaves: tuple[jax.Array, ...]
                  ) -> tuple[jax.Array, ...]:
@@ -332,7 +342,8 @@ def _reset_state(plan: _Plan, stand_in: list[Any],
   return tuple(owned)
 
 
-def _reset_chunk(plan: _Plan, start: int, size: int, carry: Any) -> Any:
+def _reset_chunk(plan: _Plan, start: int, size: int, carry: _Carry
+                 ) -> _Carry:
   """Resets fresh entries `[start, start + size)` of every table.
 
   `carry` is `(tables, owned state leaves)`, and so is the result.
@@ -343,8 +354,8 @@ def _reset_chunk(plan: _Plan, start: int, size: int, carry: Any) -> Any:
   return table_leaves, _reset_state(plan, stand_in, chunk_slots, owned_leaves)
 
 
-def _reset_all(reset_chunk: Callable[[int, int, Any], Any], n: int,
-               count: jax.Array, carry: Any) -> Any:
+def _reset_all(reset_chunk: Callable[[int, int, _Carry], _Carry], n: int,
+               count: jax.Array, carry: _Carry) -> _Carry:
   """`reset_chunk` over all `n` entries: at once where one chunk holds them,
   else in chunks skipping those past `count` on the CPU, at once elsewhere."""
   size = _chunk_size(n)
@@ -355,9 +366,11 @@ def _reset_all(reset_chunk: Callable[[int, int, Any], Any], n: int,
       lambda c, _: reset_chunk(0, n, c), carry, count)
 
 
-def _reset(tx: optax.GradientTransformation, init: Any, params: Any,
-           opt_state: Any, fresh: Mapping[str, FreshRows],
-           key: Any) -> tuple[Any, Any]:
+def _reset(tx: optax.GradientTransformation,
+           init: Optional[Callable[..., jax.Array]], params: optax.Params,
+           opt_state: optax.OptState, fresh: Mapping[str, FreshRows],
+           key: Optional[jax.typing.ArrayLike]
+           ) -> tuple[optax.Params, optax.OptState]:
   """`reset_rows` after its checks."""
   flat, treedef = jax.tree_util.tree_flatten_with_path(params)
   rebuild = treedef.unflatten  # type: ignore[attr-defined]

@@ -63,9 +63,3 @@ def rows_of(extra_args: Mapping[str, object]) -> Optional[Rows]:
   rows = extra_args.get(ROWS_KEY)
   return rows if isinstance(rows, Rows) else None
 
-
-def context_of(extra_args: Mapping[str, object]) -> None:
-  """Kept for the rules' call sites: the rules find their tables in their
-  state now (`fused.TableRows`); always None."""
-  del extra_args
-  return None

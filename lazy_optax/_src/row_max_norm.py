@@ -20,13 +20,13 @@ state is empty (0 bytes per row).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
-from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
@@ -34,21 +34,21 @@ from lazy_optax._src.numerics import row_norms
 
 
 class RowMaxNormKernelHyper(NamedTuple):
-  """The row max-norm kernel's hyperparameter: rows.cc's
+  """The rule's hyperparameter, for `step` and the kernel: rows.cc's
   `ROW_MAX_NORM_FIELDS`."""
-  max_norm: Any
+  max_norm: jax.typing.ArrayLike
 
 
 def _rule() -> fused.RowRule:
   """Row max-norm of `params + updates`, as a `RowRule` without state."""
 
-  def step(g, params, hyper):
+  def step(g, params, hyper: RowMaxNormKernelHyper):
     dtype = compute_dtype(g.dtype)
     u = g.astype(dtype)
     w = jnp.asarray(params).astype(dtype)
     new = w + u
     norm = row_norms(new)
-    max_norm = jnp.asarray(hyper['max_norm'], dtype)
+    max_norm = jnp.asarray(hyper.max_norm, dtype)
     over = norm > max_norm
     scale = max_norm / jnp.where(over, norm, 1)
     clipped = new * broadcast_rows(scale, new) - w
@@ -56,7 +56,7 @@ def _rule() -> fused.RowRule:
 
   return fused.stateless_rule(
       'row_max_norm', step, 'LazyOptaxRowMaxNorm',
-      lambda hyper: RowMaxNormKernelHyper(hyper['max_norm']))
+      lambda hyper: hyper)  # the rule's record is the kernel's
 
 
 def row_max_norm(
@@ -75,7 +75,8 @@ def row_max_norm(
 
   Args:
     max_norm: the largest L2 norm a written row may have (> 0).
-    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'`.
+    impl: deprecated, no effect (XLA computes the clip on the rows; the
+      tables' implementation is `lazy(..., impl=)`'s).
 
   Returns:
     An `optax.GradientTransformationExtraArgs` whose `update` needs `params`.
@@ -93,8 +94,9 @@ def row_max_norm(
     Array([0.3, 0.4], dtype=float32)
   """
   validate.hyperparameters('row_max_norm', positive=dict(max_norm=max_norm))
-  fused.check_impl(impl, 'row_max_norm')
+  fused.unused_impl(impl, 'row_max_norm')
   rule = _rule()
+  hyper = RowMaxNormKernelHyper(max_norm=max_norm)
 
   def init_fn(params):
     del params
@@ -104,8 +106,6 @@ def row_max_norm(
     if params is None:
       raise ValueError('row_max_norm needs params (the rows it bounds): call '
                        'update(grads, state, params).')
-    return fused.apply_stateless(
-        rule, updates, params, dict(max_norm=max_norm), impl,
-        context=row_context.context_of(extra_args)), state
+    return fused.apply_stateless(rule, updates, params, hyper), state
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -13,17 +13,18 @@ Ids outside `[0, num_rows)` read zeros and write nothing either way.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import sharding as _sharding
 
 
-def kernels_for(x: Any, backend: Optional[_backend.Backend]) -> bool:
+def kernels_for(x: ArrayLike, backend: Optional[_backend.Backend]) -> bool:
   """Whether the row-move kernels run on `x` under `backend`.
 
   A backend can keep the kernels off; it never sends them where they cannot
@@ -35,7 +36,7 @@ def kernels_for(x: Any, backend: Optional[_backend.Backend]) -> bool:
   return _backend.row_kernels_allowed(_backend.placement(x))
 
 
-def _kernel_ids(ids: Any) -> bool:
+def _kernel_ids(ids: jax.Array) -> bool:
   return jnp.dtype(ids.dtype) == jnp.dtype(jnp.int32)
 
 

@@ -13,10 +13,12 @@ from __future__ import annotations
 import abc
 import contextlib
 import threading
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
 
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import row_ops
@@ -31,7 +33,7 @@ def in_range(ids: jax.Array, num_rows: int) -> jax.Array:
   return (ids >= 0) & (ids < num_rows)
 
 
-def _rows_like_ids(table: Any, ids: Any) -> dict[str, Any]:
+def _rows_like_ids(table: ArrayLike, ids: ArrayLike) -> dict[str, Any]:
   """Under Explicit mesh axes, rows split like their ids (the batch)."""
   mesh = _sharding.explicit_mesh(table) or _sharding.explicit_mesh(ids)
   if mesh is None:
@@ -42,7 +44,8 @@ def _rows_like_ids(table: Any, ids: Any) -> dict[str, Any]:
       mesh, jax.sharding.PartitionSpec(*spec))}
 
 
-def read_rows(table: Any, ids: jax.Array, dtype: Any = None, *,
+def read_rows(table: ArrayLike, ids: jax.Array,
+              dtype: Optional[DTypeLike] = None, *,
               constant: bool = False, impl: str = 'auto') -> jax.Array:
   """`table[ids]`, with zero rows for ids outside `[0, num_rows)`.
 
@@ -88,23 +91,23 @@ def read_rows(table: Any, ids: jax.Array, dtype: Any = None, *,
 class Recorder(abc.ABC):
   """The tables of one `value_and_grad` call, as the loss was handed them."""
 
-  def __init__(self, tables: dict[int, Any], names: Sequence[str]):
+  def __init__(self, tables: Mapping[int, object], names: Sequence[str]):
     self.tables = tables      # position -> the parameter leaf
     self.names = names        # position -> its path name ('emb/table')
 
-  def position_of(self, table: Any) -> Optional[int]:
+  def position_of(self, table: object) -> Optional[int]:
     for pos, leaf in self.tables.items():
       if leaf is table:
         return pos
     return None
 
-  def name_of(self, table: Any) -> Optional[str]:
+  def name_of(self, table: object) -> Optional[str]:
     pos = self.position_of(table)
     return None if pos is None else self.names[pos]
 
   @abc.abstractmethod
-  def take(self, table: Any, ids: jax.Array, active: Optional[jax.Array],
-           dtype: Any) -> Optional[jax.Array]:
+  def take(self, table: ArrayLike, ids: jax.Array, active: Optional[jax.Array],
+           dtype: Optional[DTypeLike]) -> Optional[jax.Array]:
     """The rows of a lookup, or None to let it read `table` plainly."""
 
 

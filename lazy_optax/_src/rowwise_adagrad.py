@@ -31,7 +31,7 @@ makes the rule ordinary Adagrad with `eps` outside the square root.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional
 
 import chex
 import jax
@@ -39,11 +39,11 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
-from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
+from lazy_optax._src.numerics import Mask
 from lazy_optax._src.numerics import mask_leaves
 from lazy_optax._src.numerics import per_row_full
 from lazy_optax._src.numerics import row_mean_square
@@ -62,46 +62,49 @@ fused.declare(ScaleByRowwiseAdagradState, fused.RuleFacts(
 
 
 class RowwiseAdagradKernelHyper(NamedTuple):
-  """The row-wise Adagrad kernel's hyperparameters: rows.cc's
-  `ROWWISE_ADAGRAD_FIELDS`, in order."""
-  eps: Any
-  l2: Any  # FBGEMM's L2 mode (0: off)
+  """The rule's hyperparameters, for `new_rows`, `step` and the kernel:
+  rows.cc's `ROWWISE_ADAGRAD_FIELDS`, in order."""
+  eps: jax.typing.ArrayLike
+  l2: jax.typing.ArrayLike  # FBGEMM's L2 mode (0: off)
+
+
+def _same_record(hyper: RowwiseAdagradKernelHyper
+                 ) -> RowwiseAdagradKernelHyper:
+  """The kernel's record: the rule's own (`l2` is 0 outside the L2 mode)."""
+  return hyper
 
 
 def _rule(l2: bool) -> fused.RowRule:
-  """Row-wise Adagrad as a `RowRule`; `hyper` is `dict(eps, l2)`.
+  """Row-wise Adagrad as a `RowRule` of a `RowwiseAdagradKernelHyper`.
 
-  `l2` (FBGEMM's L2 mode) adds `hyper['l2'] * params` to the gradient, for
-  the leaves the mask decays (`hyper['l2']` is 0 for the others).
+  `l2` (FBGEMM's L2 mode) adds `hyper.l2 * params` to the gradient, for
+  the leaves the mask decays (`hyper.l2` is 0 for the others).
   """
 
-  def decayed(g, params, hyper):
+  def decayed(g, params, hyper: RowwiseAdagradKernelHyper):
     dtype = compute_dtype(g.dtype)
     g = g.astype(dtype)
     if not l2:
       return g
-    return g + jnp.asarray(hyper['l2'], dtype) * (
+    return g + jnp.asarray(hyper.l2, dtype) * (
         jnp.asarray(params).astype(dtype))
 
-  def new_rows(g, rows, params, hyper):
+  def new_rows(g, rows, params, hyper: RowwiseAdagradKernelHyper):
     acc = rows['sum_of_squares']
     g = decayed(g, params, hyper)
     dtype = compute_dtype(g.dtype, acc.dtype)
     return {'sum_of_squares': acc.astype(dtype) + row_mean_square(
         g.astype(dtype))}
 
-  def step(g, stored, params, hyper):
+  def step(g, stored, params, hyper: RowwiseAdagradKernelHyper):
     g = decayed(g, params, hyper)
     acc = stored['sum_of_squares']
     dtype = compute_dtype(g.dtype, acc.dtype)
-    denom = jnp.sqrt(acc.astype(dtype)) + jnp.asarray(hyper['eps'], dtype)
+    denom = jnp.sqrt(acc.astype(dtype)) + jnp.asarray(hyper.eps, dtype)
     return g.astype(dtype) / broadcast_rows(denom, g)
 
-  def kernel_hyper(hyper):
-    return RowwiseAdagradKernelHyper(hyper['eps'], hyper['l2'] if l2 else 0)
-
   return fused.RowRule('rowwise_adagrad', new_rows, step, ('sum_of_squares',),
-                       'LazyOptaxRowwiseAdagrad', kernel_hyper,
+                       'LazyOptaxRowwiseAdagrad', _same_record,
                        needs_params=l2)
 
 
@@ -109,9 +112,9 @@ def _rowwise_adagrad_rule(
     *,
     eps: float,
     initial_accumulator_value: float,
-    accumulator_dtype: Optional[Any],
-    l2_weight_decay: Any,
-    mask: Optional[Union[Any, Callable[[Any], Any]]],
+    accumulator_dtype: Optional[jax.typing.DTypeLike],
+    l2_weight_decay: Optional[jax.typing.ArrayLike],
+    mask: Optional[Mask],
     impl: str,
 ) -> optax.GradientTransformationExtraArgs:
   """The row-wise Adagrad rule, dense or fused inside `lazy(...)`.
@@ -139,14 +142,16 @@ def _rowwise_adagrad_rule(
             'tx.update(grads, state, params).')
       decays = mask_leaves(mask, params, jax.tree.structure(updates))
 
-    def leaf_hyper(i, hyper):
-      return hyper if decays is None or decays[i] else dict(hyper, l2=0.0)
+    def leaf_hyper(i: int, hyper: RowwiseAdagradKernelHyper
+                   ) -> RowwiseAdagradKernelHyper:
+      return hyper if decays is None or decays[i] else hyper._replace(l2=0.0)
 
+    hyper = RowwiseAdagradKernelHyper(
+        eps=eps, l2=0.0 if l2_weight_decay is None else l2_weight_decay)
     new_updates, new = fused.apply_rule(
         rule, updates, {'sum_of_squares': state.sum_of_squares},
-        params if l2 else None, dict(eps=eps, l2=l2_weight_decay), impl,
-        leaf_hyper=leaf_hyper,
-        context=row_context.context_of(extra_args))
+        params if l2 else None, hyper, impl,
+        leaf_hyper=leaf_hyper)
     return new_updates, ScaleByRowwiseAdagradState(count, **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -155,7 +160,7 @@ def _rowwise_adagrad_rule(
 def scale_by_rowwise_adagrad(
     eps: float = 1e-8,
     initial_accumulator_value: float = 0.0,
-    accumulator_dtype: Optional[Any] = None,
+    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
     *,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
@@ -200,7 +205,7 @@ def scale_by_rowwise_adagrad(
   return lazy(_rowwise_adagrad_rule(
       eps=eps, initial_accumulator_value=initial_accumulator_value,
       accumulator_dtype=accumulator_dtype, l2_weight_decay=None, mask=None,
-      impl=impl))
+      impl=impl), impl=impl)
 
 
 def rowwise_adagrad(
@@ -208,10 +213,10 @@ def rowwise_adagrad(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     weight_decay_mode: str = 'none',
-    mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    mask: Optional[Mask] = None,
     *,
     initial_accumulator_value: float = 0.0,
-    accumulator_dtype: Optional[Any] = None,
+    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Row-wise Adagrad: one accumulator per row, lazy on `SparseRows`.
@@ -285,4 +290,4 @@ def rowwise_adagrad(
   if weight_decay_mode == 'decoupled':
     parts.append(optax.add_decayed_weights(weight_decay, mask))
   parts.append(optax.scale_by_learning_rate(learning_rate))
-  return lazy(optax.chain(*parts))
+  return lazy(optax.chain(*parts), impl=impl)

@@ -35,8 +35,9 @@ FBGEMM's for `counter_halflife > 0`).
 
 from __future__ import annotations
 
+import functools
 import math
-from typing import Any, Callable, NamedTuple, Optional, Union
+from typing import NamedTuple, Optional, Union
 
 import chex
 import jax
@@ -44,11 +45,11 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
-from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
+from lazy_optax._src.numerics import Mask
 from lazy_optax._src.numerics import mask_leaves
 from lazy_optax._src.numerics import per_row_full
 from lazy_optax._src.numerics import row_mean_square
@@ -74,22 +75,32 @@ fused.declare(ScaleByRowwiseAdagradWithCounterState, fused.RuleFacts(
     'LazyOptaxRowwiseAdagradWithCounter', ('last_step',)))
 
 
+class RowwiseAdagradCounterHyper(NamedTuple):
+  """The rule's hyperparameters at one step, for one leaf (`new_rows`,
+  `step`); the others are the rule's `_Config`."""
+  count: chex.Array  # int32 scalar, the new global step (FBGEMM's `iter`)
+  lr: jax.typing.ArrayLike
+  wd: jax.typing.ArrayLike  # the leaf's weight decay (0: the mask says no)
+  max_counter: jax.Array  # float32 scalar
+
+
 class RowwiseAdagradCounterKernelHyper(NamedTuple):
-  """The kernel's hyperparameters: rows.cc's `ROWWISE_ADAGRAD_COUNTER_FIELDS`,
-  in order (`step` and `catch_up_cap` are its int32 fields)."""
-  lr: Any
-  eps: Any
-  wd: Any
-  log_rho: Any
-  halflife: Any
-  enabled: Any
-  adjustment_ub: Any
-  max_counter: Any
-  threshold: Any
-  decay_mode: Any
-  lr_mode: Any
-  step: Any
-  catch_up_cap: Any
+  """The kernel's record: rows.cc's `ROWWISE_ADAGRAD_COUNTER_FIELDS`, in
+  order (`step` and `catch_up_cap` are its int32 fields), made by
+  `_kernel_hyper`."""
+  lr: jax.typing.ArrayLike
+  eps: jax.typing.ArrayLike
+  wd: jax.typing.ArrayLike
+  log_rho: jax.Array
+  halflife: jax.typing.ArrayLike
+  enabled: jax.Array
+  adjustment_ub: jax.typing.ArrayLike
+  max_counter: jax.Array
+  threshold: jax.Array
+  decay_mode: float
+  lr_mode: float
+  step: jax.Array
+  catch_up_cap: jax.Array
 
 
 _DECAY_CODES = {'none': 0.0, 'l2': 1.0, 'decoupled': 2.0, 'adagradw': 3.0}
@@ -100,34 +111,36 @@ _LR_CODES = {'equal': -1.0, 'tail_id_lr_increase': 0.0,
 class _Config(NamedTuple):
   """The rule's configuration (FBGEMM's optimizer args). The modes are
   static; the numbers may be arrays (`optax.inject_hyperparams`)."""
-  eps: Any
+  eps: jax.typing.ArrayLike
   decay_mode: str
-  halflife: Any
-  adjustment_iter: Any
-  adjustment_ub: Any
+  halflife: Union[int, jax.Array]
+  adjustment_iter: Union[int, jax.Array]
+  adjustment_ub: jax.typing.ArrayLike
   lr_mode: str
-  tail_id_threshold: Any
-  threshold_is_ratio: Any
+  tail_id_threshold: jax.typing.ArrayLike
+  threshold_is_ratio: Union[bool, jax.Array]
 
 
-def _log_rho(halflife: Any) -> jax.Array:
+def _log_rho(halflife: jax.typing.ArrayLike) -> jax.Array:
   """`log(2) / halflife` in float32 (1 for a half-life that is not > 0)."""
   h = jnp.asarray(halflife, jnp.float32)
   return math.log(2.0) / jnp.where(h > 0, h, 1.0)
 
 
-def _threshold(cfg: _Config, max_counter: Any, dtype: Any) -> jax.Array:
+def _threshold(cfg: _Config, max_counter: jax.Array,
+               dtype: jax.typing.DTypeLike) -> jax.Array:
   threshold = jnp.asarray(cfg.tail_id_threshold, dtype)
   return jnp.where(cfg.threshold_is_ratio,
                    jnp.floor(threshold * max_counter), threshold)
 
 
-def _enabled(cfg: _Config, t: Any) -> jax.Array:
+def _enabled(cfg: _Config, t: jax.Array) -> jax.Array:
   """FBGEMM's `adjustment_enabled`."""
-  return (cfg.adjustment_iter <= 0) | (t > cfg.adjustment_iter)
+  return jnp.asarray((cfg.adjustment_iter <= 0) | (t > cfg.adjustment_iter))
 
 
-def _new_counter(c: jax.Array, delta: jax.Array, halflife: Any) -> jax.Array:
+def _new_counter(c: jax.Array, delta: jax.Array,
+                 halflife: jax.typing.ArrayLike) -> jax.Array:
   """The counter after one more appearance, `delta` steps after the last."""
   h = jnp.asarray(halflife, c.dtype)
   decay = jnp.exp(-delta * _log_rho(halflife).astype(c.dtype))
@@ -135,16 +148,18 @@ def _new_counter(c: jax.Array, delta: jax.Array, halflife: Any) -> jax.Array:
                    jnp.where(h == 0, jnp.ones_like(c), c + 1.0))
 
 
-def _gap(last_step: jax.Array, t: jax.Array, dtype: Any) -> jax.Array:
+def _gap(last_step: jax.Array, t: jax.Array,
+         dtype: jax.typing.DTypeLike) -> jax.Array:
   """Steps since the row's last update (1 for a row never updated)."""
   return jnp.where(last_step == 0, 1, t - last_step).astype(dtype)
 
 
-def _l2_grad(g, params, hyper, cfg: _Config, dtype):
+def _l2_grad(g, params, hyper: RowwiseAdagradCounterHyper, cfg: _Config,
+             dtype):
   g = g.astype(dtype)
   if cfg.decay_mode != 'l2':
     return g
-  return g + jnp.asarray(hyper['wd'], dtype) * jnp.asarray(params).astype(
+  return g + jnp.asarray(hyper.wd, dtype) * jnp.asarray(params).astype(
       dtype)
 
 
@@ -162,12 +177,13 @@ def _lr_adjusted(m, lr, c, max_counter, cfg: _Config, dtype):
   return jnp.where(c > _threshold(cfg, max_counter, dtype), adj, m)
 
 
-def _multipliers(g, stored, params, hyper, old, cfg: _Config, dtype):
+def _multipliers(g, stored, params, hyper: RowwiseAdagradCounterHyper, old,
+                 cfg: _Config, dtype):
   """`(m_adj, corr)` per row: the step's scale and the weights' factor."""
-  t = hyper['count']
-  lr = jnp.asarray(hyper['lr'], dtype)
-  wd = jnp.asarray(hyper['wd'], dtype)
-  max_counter = jnp.asarray(hyper['max_counter'], dtype)
+  t = hyper.count
+  lr = jnp.asarray(hyper.lr, dtype)
+  wd = jnp.asarray(hyper.wd, dtype)
+  max_counter = jnp.asarray(hyper.max_counter, dtype)
   acc = stored['sum_of_squares'].astype(dtype)
   c = stored['row_counter'].astype(dtype)
   denom = jnp.sqrt(acc) + jnp.asarray(cfg.eps, dtype)
@@ -197,19 +213,31 @@ def _multipliers(g, stored, params, hyper, old, cfg: _Config, dtype):
   return adj, corr
 
 
-def _rule(cfg: _Config) -> fused.RowRule:
-  """The rule as a `RowRule`; `hyper` is `dict(count, lr, wd, max_counter)`.
+def _kernel_hyper(cfg: _Config, hyper: RowwiseAdagradCounterHyper
+                  ) -> RowwiseAdagradCounterKernelHyper:
+  """The kernel's record, from the rule's and its configuration."""
+  t = hyper.count
+  return RowwiseAdagradCounterKernelHyper(
+      lr=hyper.lr, eps=cfg.eps, wd=hyper.wd, log_rho=_log_rho(cfg.halflife),
+      halflife=cfg.halflife, enabled=_enabled(cfg, t).astype(jnp.float32),
+      adjustment_ub=cfg.adjustment_ub, max_counter=hyper.max_counter,
+      threshold=_threshold(cfg, hyper.max_counter, jnp.float32),
+      decay_mode=_DECAY_CODES[cfg.decay_mode],
+      lr_mode=_LR_CODES[cfg.lr_mode], step=t,
+      catch_up_cap=jnp.asarray(t - cfg.adjustment_iter, jnp.int32))
 
-  `count` is the new global step (FBGEMM's `iter`), `wd` the leaf's weight
-  decay (0 where the mask says no). The step reads the old rows (the gap
-  since a row's last update).
+
+def _rule(cfg: _Config) -> fused.RowRule:
+  """The rule as a `RowRule` of a `RowwiseAdagradCounterHyper`.
+
+  The step reads the old rows (the gap since a row's last update).
   """
   needs_params = cfg.decay_mode != 'none'
 
-  def new_rows(g, rows, params, hyper):
+  def new_rows(g, rows, params, hyper: RowwiseAdagradCounterHyper):
     acc, c = rows['sum_of_squares'], rows['row_counter']
     dtype = compute_dtype(g.dtype, acc.dtype, c.dtype)
-    t = hyper['count']
+    t = hyper.count
     gap = _gap(rows['last_step'], t, dtype)
     g2 = row_mean_square(_l2_grad(g, params, hyper, cfg, dtype))
     return {'sum_of_squares': acc.astype(dtype) + g2,
@@ -217,7 +245,7 @@ def _rule(cfg: _Config) -> fused.RowRule:
             'last_step': jnp.broadcast_to(t, c.shape).astype(
                 rows['last_step'].dtype)}
 
-  def step(g, stored, params, hyper, rows):
+  def step(g, stored, params, hyper: RowwiseAdagradCounterHyper, rows):
     dtype = compute_dtype(g.dtype, stored['sum_of_squares'].dtype)
     adj, corr = _multipliers(g, stored, params, hyper, rows, cfg, dtype)
     update = -broadcast_rows(adj, g) * g.astype(dtype)
@@ -226,31 +254,18 @@ def _rule(cfg: _Config) -> fused.RowRule:
       update = update + broadcast_rows(corr - 1.0, w) * w
     return update
 
-  def kernel_hyper(hyper):
-    t = hyper['count']
-    f32 = jnp.float32
-    return RowwiseAdagradCounterKernelHyper(
-        lr=hyper['lr'], eps=cfg.eps, wd=hyper['wd'],
-        log_rho=_log_rho(cfg.halflife), halflife=cfg.halflife,
-        enabled=_enabled(cfg, t).astype(f32),
-        adjustment_ub=cfg.adjustment_ub, max_counter=hyper['max_counter'],
-        threshold=_threshold(cfg, hyper['max_counter'], f32),
-        decay_mode=_DECAY_CODES[cfg.decay_mode],
-        lr_mode=_LR_CODES[cfg.lr_mode], step=t,
-        catch_up_cap=jnp.asarray(t - cfg.adjustment_iter, jnp.int32))
-
   return fused.RowRule(
       'rowwise_adagrad_with_counter', new_rows, step,
       ('sum_of_squares', 'row_counter', 'last_step'),
-      'LazyOptaxRowwiseAdagradWithCounter', kernel_hyper,
+      'LazyOptaxRowwiseAdagradWithCounter',
+      functools.partial(_kernel_hyper, cfg),
       needs_params=needs_params, step_reads_old_rows=True,
       int_tables=('last_step',))
 
 
-def _check(learning_rate, eps, weight_decay, counter_weight_decay_mode,
+def _check(fn, eps, weight_decay, counter_weight_decay_mode,
            learning_rate_mode, counter_halflife, adjustment_ub,
            tail_id_threshold, max_counter_update_freq, impl):
-  fn = 'rowwise_adagrad_with_counter'
   if counter_weight_decay_mode not in COUNTER_WEIGHT_DECAY_MODES:
     raise ValueError(
         f'{fn}: counter_weight_decay_mode must be one of '
@@ -272,7 +287,6 @@ def _check(learning_rate, eps, weight_decay, counter_weight_decay_mode,
         f'{fn}: weight_decay={weight_decay!r} has no effect with '
         "counter_weight_decay_mode='none': pass 'l2', 'decoupled' or "
         "'adagradw'.")
-  del learning_rate
   fused.check_impl(impl, fn)
 
 
@@ -283,14 +297,15 @@ def _refresh_max_counter(state, count, freq):
                    state.max_counter).astype(jnp.float32)
 
 
-def _peak(row_counters: Any, peak: jax.Array) -> jax.Array:
+def _peak(row_counters: optax.Updates, peak: jax.Array) -> jax.Array:
   leaves = [jnp.max(c).astype(jnp.float32) for c in
             jax.tree.leaves(row_counters) if c.size]
   return jnp.maximum(peak, jnp.max(jnp.stack(leaves))) if leaves else peak
 
 
 def _transform(learning_rate: optax.ScalarOrSchedule, cfg: _Config,
-               weight_decay: Any, mask: Any, accumulator_dtype: Any,
+               weight_decay: jax.typing.ArrayLike, mask: Optional[Mask],
+               accumulator_dtype: Optional[jax.typing.DTypeLike],
                max_counter_update_freq: int, impl: str
                ) -> optax.GradientTransformationExtraArgs:
   """The whole rule (its learning rate included), dense or fused."""
@@ -320,18 +335,19 @@ def _transform(learning_rate: optax.ScalarOrSchedule, cfg: _Config,
             'tx.update(grads, state, params).')
       decays = mask_leaves(mask, params, jax.tree.structure(updates))
 
-    def leaf_hyper(i, hyper):
-      return hyper if decays is None or decays[i] else dict(hyper, wd=0.0)
+    def leaf_hyper(i: int, hyper: RowwiseAdagradCounterHyper
+                   ) -> RowwiseAdagradCounterHyper:
+      return hyper if decays is None or decays[i] else hyper._replace(wd=0.0)
 
     max_counter = _refresh_max_counter(state, count, max_counter_update_freq)
-    hyper = dict(count=count, lr=lr, wd=weight_decay, max_counter=max_counter)
+    hyper = RowwiseAdagradCounterHyper(count=count, lr=lr, wd=weight_decay,
+                                       max_counter=max_counter)
     new_updates, new = fused.apply_rule(
         rule, updates, {'sum_of_squares': state.sum_of_squares,
                         'row_counter': state.row_counter,
                         'last_step': state.last_step},
         params if rule.needs_params else None, hyper, impl,
-        leaf_hyper=leaf_hyper,
-        context=row_context.context_of(extra_args))
+        leaf_hyper=leaf_hyper)
     return new_updates, ScaleByRowwiseAdagradWithCounterState(
         count, max_counter=max_counter,
         counter_peak=_peak(fused.stored_rows(new['row_counter']),
@@ -345,7 +361,7 @@ def rowwise_adagrad_with_counter(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     counter_weight_decay_mode: str = 'none',
-    mask: Optional[Union[Any, Callable[[Any], Any]]] = None,
+    mask: Optional[Mask] = None,
     *,
     counter_halflife: int = -1,
     adjustment_iter: int = -1,
@@ -354,7 +370,7 @@ def rowwise_adagrad_with_counter(
     tail_id_threshold: float = 0.0,
     tail_id_threshold_is_ratio: bool = False,
     max_counter_update_freq: int = 1000,
-    accumulator_dtype: Optional[Any] = None,
+    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Row-wise Adagrad with per-row counters (FBGEMM's COUNTER mode).
@@ -415,7 +431,97 @@ def rowwise_adagrad_with_counter(
     >>> state.row_counter['table'][jnp.array([3, 4, 7])]
     Array([1., 0., 1.], dtype=float32)
   """
-  _check(learning_rate, eps, weight_decay, counter_weight_decay_mode,
+  _check('rowwise_adagrad_with_counter', eps, weight_decay,
+         counter_weight_decay_mode, learning_rate_mode, counter_halflife,
+         adjustment_ub, tail_id_threshold, max_counter_update_freq, impl)
+  cfg = _Config(eps=eps, decay_mode=counter_weight_decay_mode,
+                halflife=counter_halflife, adjustment_iter=adjustment_iter,
+                adjustment_ub=adjustment_ub, lr_mode=learning_rate_mode,
+                tail_id_threshold=tail_id_threshold,
+                threshold_is_ratio=tail_id_threshold_is_ratio)
+  return lazy(_transform(learning_rate, cfg, weight_decay, mask,
+                         accumulator_dtype, max_counter_update_freq, impl),
+              impl=impl)
+
+
+def scale_by_rowwise_adagrad_with_counter(
+    eps: float = 1e-8,
+    weight_decay: float = 0.0,
+    counter_weight_decay_mode: str = 'none',
+    mask: Optional[Mask] = None,
+    *,
+    counter_halflife: int = -1,
+    adjustment_iter: int = -1,
+    adjustment_ub: float = 1.0,
+    learning_rate_mode: str = 'equal',
+    tail_id_threshold: float = 0.0,
+    tail_id_threshold_is_ratio: bool = False,
+    max_counter_update_freq: int = 1000,
+    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
+    impl: str = 'auto',
+) -> optax.GradientTransformationExtraArgs:
+  """Rescales updates by row-wise Adagrad with per-row counters (no lr).
+
+  The rule of `rowwise_adagrad_with_counter` (module docstring) without the
+  learning rate: chained with `optax.scale_by_learning_rate(lr)` inside
+  `lazy(...)` it gives the same parameters as
+  `rowwise_adagrad_with_counter(lr, ...)` (its state sits in the chain's
+  first slot). Every mode but `'adagradw'` has an update linear in the
+  learning rate (`-lr` times a direction that does not depend on it), which
+  is what this returns; `'adagradw'` decays a row by `(1 - wd lr)^k`, so it
+  has no rate-free form and is refused here.
+
+  Args:
+    eps: added to `sqrt(G_r)`.
+    weight_decay: the decay rate, used as `counter_weight_decay_mode` says.
+    counter_weight_decay_mode: `'none'`, `'l2'` or `'decoupled'`.
+    mask: as in `optax.adamw`: which parameters decay.
+    counter_halflife: `> 0`: the counter decays with this half-life in
+      steps; `0`: it is 1 once seen; `< 0`: it counts appearances.
+    adjustment_iter: no adjustment or decay until the step exceeds it.
+    adjustment_ub: the exponent (tail modes) or factor (`'counter_sgd'`) of
+      the learning-rate adjustment.
+    learning_rate_mode: `'equal'`, `'tail_id_lr_increase'`,
+      `'tail_id_lr_decrease'` or `'counter_sgd'`.
+    tail_id_threshold: rows whose counter exceeds it are adjusted.
+    tail_id_threshold_is_ratio: the threshold is
+      `floor(tail_id_threshold * max_counter)`.
+    max_counter_update_freq: every this many steps, `max_counter` becomes
+      one plus the largest counter.
+    accumulator_dtype: dtype of `G` (default float32).
+    impl: `'auto'`, `'generic'`, `'xla'` or `'cpu_kernel'`.
+
+  Returns:
+    An `optax.GradientTransformationExtraArgs` with state
+    `ScaleByRowwiseAdagradWithCounterState`; its `update` needs `params`
+    in the `'l2'` and `'decoupled'` modes.
+
+  Raises:
+    ValueError: for `'adagradw'`, an unknown mode, a negative rate, a
+      non-integer half-life, or a non-zero `weight_decay` with mode
+      `'none'`.
+
+  Example:
+    >>> import jax.numpy as jnp, optax
+    >>> import lazy_optax
+    >>> tx = lazy_optax.lazy(optax.chain(
+    ...     lazy_optax.scale_by_rowwise_adagrad_with_counter(),
+    ...     optax.scale_by_learning_rate(0.1)))
+    >>> params = {'table': jnp.zeros((100, 4))}
+    >>> g = {'table': lazy_optax.SparseRows(jnp.array([3]), jnp.ones((1, 4)),
+    ...                                     100)}
+    >>> u, state = tx.update(g, tx.init(params), params)
+    >>> lazy_optax.apply_updates(params, u)['table'][3]
+    Array([-0.1, -0.1, -0.1, -0.1], dtype=float32)
+  """
+  fn = 'scale_by_rowwise_adagrad_with_counter'
+  if counter_weight_decay_mode == 'adagradw':
+    raise ValueError(
+        f"{fn}: counter_weight_decay_mode='adagradw' decays a row by "
+        '(1 - weight_decay * lr)^k, not linearly in the learning rate, so '
+        'it has no form without one: use rowwise_adagrad_with_counter('
+        'learning_rate, ...).')
+  _check(fn, eps, weight_decay, counter_weight_decay_mode,
          learning_rate_mode, counter_halflife, adjustment_ub,
          tail_id_threshold, max_counter_update_freq, impl)
   cfg = _Config(eps=eps, decay_mode=counter_weight_decay_mode,
@@ -423,5 +529,7 @@ def rowwise_adagrad_with_counter(
                 adjustment_ub=adjustment_ub, lr_mode=learning_rate_mode,
                 tail_id_threshold=tail_id_threshold,
                 threshold_is_ratio=tail_id_threshold_is_ratio)
-  return lazy(_transform(learning_rate, cfg, weight_decay, mask,
-                         accumulator_dtype, max_counter_update_freq, impl))
+  # Linear in the learning rate: the rule at rate -1 is the direction that
+  # `optax.scale_by_learning_rate(lr)` (a factor of -lr) makes the update.
+  return lazy(_transform(-1.0, cfg, weight_decay, mask, accumulator_dtype,
+                         max_counter_update_freq, impl), impl=impl)

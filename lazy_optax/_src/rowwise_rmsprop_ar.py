@@ -28,7 +28,7 @@ at every step (so `I` is 1 from the second step on).
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
 import chex
 import jax
@@ -36,7 +36,6 @@ import jax.numpy as jnp
 import optax
 
 from lazy_optax._src import fused
-from lazy_optax._src import row_context
 from lazy_optax._src import validate
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
@@ -58,59 +57,54 @@ fused.declare(ScaleByRowwiseRmspropArState, fused.RuleFacts(
 
 
 class RowwiseRmspropArKernelHyper(NamedTuple):
-  """The kernel's hyperparameters: rows.cc's `ROWWISE_RMSPROP_AR_FIELDS`,
-  in order (`step` is its int32 field)."""
-  lr: Any
-  ar_alpha: Any
-  ema_beta: Any
-  one_minus_beta: Any
-  min_shrinkage: Any
-  eps: Any
-  step: Any  # int32: the global step of this update, from 1
+  """The rule's hyperparameters, for `new_rows`, `step` and the kernel:
+  rows.cc's `ROWWISE_RMSPROP_AR_FIELDS`, in order (`step` is its int32
+  field)."""
+  lr: jax.typing.ArrayLike
+  ar_alpha: jax.typing.ArrayLike
+  ema_beta: jax.typing.ArrayLike
+  one_minus_beta: jax.typing.ArrayLike  # 1 - ema_beta
+  min_shrinkage: jax.typing.ArrayLike
+  eps: jax.typing.ArrayLike
+  step: jax.typing.ArrayLike  # int32: the global step of this update, from 1
 
 
-def _gap(prev_iter: jax.Array, step: jax.Array) -> jax.Array:
+def _gap(prev_iter: jax.Array, step: jax.typing.ArrayLike) -> jax.Array:
   """Steps since a row's last update, this one included (1 if never)."""
   return jnp.where(prev_iter == 0, 1, jnp.asarray(step, jnp.int32) - prev_iter)
 
 
 def _rule() -> fused.RowRule:
-  """The rule as a `RowRule`; `hyper` is
-  `dict(lr, ar_alpha, ema_beta, one_minus_beta, min_shrinkage, eps, step)`.
-  """
+  """The rule as a `RowRule` of a `RowwiseRmspropArKernelHyper`."""
 
-  def new_rows(g, rows, params, hyper):
+  def new_rows(g, rows, params, hyper: RowwiseRmspropArKernelHyper):
     del params
     v = rows['nu']
     dtype = compute_dtype(g.dtype, v.dtype)
     ms = row_mean_square(g.astype(dtype))
-    new_v = (jnp.asarray(hyper['ema_beta'], dtype) * v.astype(dtype)
-             + jnp.asarray(hyper['one_minus_beta'], dtype) * ms)
+    new_v = (jnp.asarray(hyper.ema_beta, dtype) * v.astype(dtype)
+             + jnp.asarray(hyper.one_minus_beta, dtype) * ms)
     prev = rows['prev_iter']
     return {'nu': new_v,
-            'prev_iter': jnp.full(prev.shape, hyper['step'], prev.dtype)}
+            'prev_iter': jnp.full(prev.shape, hyper.step, prev.dtype)}
 
-  def step(g, stored, params, hyper, rows):
+  def step(g, stored, params, hyper: RowwiseRmspropArKernelHyper, rows):
     v = stored['nu']
     w = jnp.asarray(params)
     dtype = compute_dtype(g.dtype, w.dtype, v.dtype)
-    lr = jnp.asarray(hyper['lr'], dtype)
-    gap = _gap(rows['prev_iter'], hyper['step']).astype(dtype)
-    lam = jnp.clip(lr * jnp.asarray(hyper['ar_alpha'], dtype) * gap, 0, 1)
-    keep = jnp.maximum(jnp.asarray(hyper['min_shrinkage'], dtype),
-                       1 - lam) - 1
-    scale = lr / (jnp.sqrt(v.astype(dtype)) + jnp.asarray(hyper['eps'], dtype))
+    lr = jnp.asarray(hyper.lr, dtype)
+    gap = _gap(rows['prev_iter'], hyper.step).astype(dtype)
+    lam = jnp.clip(lr * jnp.asarray(hyper.ar_alpha, dtype) * gap, 0, 1)
+    keep = jnp.maximum(jnp.asarray(hyper.min_shrinkage, dtype), 1 - lam) - 1
+    scale = lr / (jnp.sqrt(v.astype(dtype)) + jnp.asarray(hyper.eps, dtype))
     wd = w.astype(dtype)
     return (broadcast_rows(keep, wd) * wd
             - broadcast_rows(scale, wd) * g.astype(dtype))
 
-  def kernel_hyper(hyper):
-    return RowwiseRmspropArKernelHyper(
-        *(hyper[k] for k in RowwiseRmspropArKernelHyper._fields))
-
+  # The rule's record is the kernel's.
   return fused.RowRule('rowwise_rmsprop_ar', new_rows, step,
                        ('nu', 'prev_iter'), 'LazyOptaxRowwiseRmspropAr',
-                       kernel_hyper, needs_params=True,
+                       lambda hyper: hyper, needs_params=True,
                        step_reads_old_rows=True, int_tables=('prev_iter',))
 
 
@@ -121,7 +115,7 @@ def _rowwise_rmsprop_ar_rule(
     ar_alpha: float,
     min_shrinkage: float,
     eps: float,
-    accumulator_dtype: Optional[Any],
+    accumulator_dtype: Optional[jax.typing.DTypeLike],
     impl: str,
 ) -> optax.GradientTransformationExtraArgs:
   """The rule, dense or fused inside `lazy(...)`."""
@@ -142,13 +136,13 @@ def _rowwise_rmsprop_ar_rule(
     lr = (learning_rate(state.count) if callable(learning_rate)
           else learning_rate)
     count = optax.safe_increment(state.count)
-    hyper = dict(lr=lr, ar_alpha=ar_alpha, ema_beta=ema_beta,
-                 one_minus_beta=1 - ema_beta, min_shrinkage=min_shrinkage,
-                 eps=eps, step=count)
+    hyper = RowwiseRmspropArKernelHyper(
+        lr=lr, ar_alpha=ar_alpha, ema_beta=ema_beta,
+        one_minus_beta=1 - ema_beta, min_shrinkage=min_shrinkage, eps=eps,
+        step=count)
     new_updates, new = fused.apply_rule(
         rule, updates, {'nu': state.nu, 'prev_iter': state.prev_iter}, params,
-        hyper, impl,
-        context=row_context.context_of(extra_args))
+        hyper, impl)
     return new_updates, ScaleByRowwiseRmspropArState(count, **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -161,7 +155,7 @@ def rowwise_rmsprop_ar(
     ar_alpha: float = 0.0,
     min_shrinkage: float = 0.1,
     eps: float = 1e-8,
-    accumulator_dtype: Optional[Any] = None,
+    accumulator_dtype: Optional[jax.typing.DTypeLike] = None,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
   """Row-wise RMSprop with adaptive regularization, lazy on `SparseRows`.
@@ -172,7 +166,10 @@ def rowwise_rmsprop_ar(
   `max(min_shrinkage, 1 - clip(lr ar_alpha I, 0, 1))`, `I` the steps since
   its last update, and moves by `-lr g / (sqrt(v) + eps)`. Use it for
   embedding tables with a long tail of rare ids that overfit in one epoch;
-  `ar_alpha=0` is plain row-wise RMSprop. The state is 8 bytes a row.
+  `ar_alpha=0` is plain row-wise RMSprop. The state is 8 bytes a row. The
+  learning rate enters the shrink nonlinearly (`lr * ar_alpha * I`,
+  clipped), so there is no rate-free `scale_by_rowwise_rmsprop_ar` to chain
+  a learning rate after: use `rowwise_rmsprop_ar` inside chains.
 
   Args:
     learning_rate: a float or an optax schedule of the global step (it
@@ -221,4 +218,4 @@ def rowwise_rmsprop_ar(
   return lazy(_rowwise_rmsprop_ar_rule(
       learning_rate=learning_rate, ema_beta=ema_beta, ar_alpha=ar_alpha,
       min_shrinkage=min_shrinkage, eps=eps,
-      accumulator_dtype=accumulator_dtype, impl=impl))
+      accumulator_dtype=accumulator_dtype, impl=impl), impl=impl)

@@ -14,12 +14,13 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import jax
+from jax.typing import ArrayLike
 import optax
 
 from lazy_optax._src import cpu_kernels
 
 
-def explicit_mesh(x: Any) -> Any:
+def explicit_mesh(x: ArrayLike) -> Optional[jax.sharding.AbstractMesh]:
   """The abstract mesh of `x`'s type when it has Explicit axes, else None."""
   typeof = getattr(jax, 'typeof', None)  # JAX versions before Explicit axes
   if typeof is None:
@@ -34,7 +35,7 @@ def explicit_mesh(x: Any) -> Any:
   return mesh
 
 
-def varying_axes(x: Any) -> frozenset:
+def varying_axes(x: ArrayLike) -> frozenset:
   """The mesh axes that `x` varies over inside `jax.shard_map`.
 
   Empty outside `shard_map` and with `check_vma=False`. Read from the value's
@@ -81,7 +82,7 @@ def scatter_kwargs(table: jax.Array) -> dict[str, Any]:
   return {'out_sharding': jax.typeof(table).sharding}
 
 
-def _sharding_of(x: Any) -> Any:
+def _sharding_of(x: object) -> jax.sharding.Sharding:
   sharding = getattr(x, 'sharding', None)
   if sharding is None:
     raise ValueError(
@@ -91,7 +92,7 @@ def _sharding_of(x: Any) -> Any:
 
 
 def _mesh_of(
-    shardings: Any,
+    shardings: optax.Params,
 ) -> Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh]:
   for s in jax.tree.leaves(shardings):
     if isinstance(s, jax.sharding.NamedSharding):
@@ -99,7 +100,8 @@ def _mesh_of(
   return None
 
 
-def _follow_rows(leaf: Any, sharding: Any) -> Any:
+def _follow_rows(leaf: object,
+                 sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   """The parameter's sharding, cut to the rank of a per-row state leaf.
 
   Per-row leaves (a `[num_rows]` step counter for a `[num_rows, D]` table)
@@ -115,11 +117,11 @@ def _follow_rows(leaf: Any, sharding: Any) -> Any:
 
 def state_shardings(
     tx: optax.GradientTransformation,
-    params: Any,
-    param_shardings: Optional[Any] = None,
+    params: optax.Params,
+    param_shardings: Optional[optax.Params] = None,
     *,
     replicated: Optional[jax.sharding.Sharding] = None,
-) -> Any:
+) -> optax.OptState:
   """Shardings for `tx.init(params)` that follow the parameters' shardings.
 
   Every state leaf that mirrors a parameter (`mu`, `nu`, traces,
@@ -187,9 +189,9 @@ def state_shardings(
 
 def init_sharded(
     tx: optax.GradientTransformation,
-    params: Any,
-    param_shardings: Optional[Any] = None,
-) -> Any:
+    params: optax.Params,
+    param_shardings: Optional[optax.Params] = None,
+) -> optax.OptState:
   """`tx.init(params)`, built directly in the shardings of `state_shardings`.
 
   Each device allocates only its own rows of `mu` and `nu`: the whole state

@@ -10,8 +10,9 @@ accepted here. Slots are found anywhere in a state: inside `optax.chain`,
 
 from __future__ import annotations
 
-from typing import Any, Iterator, Sequence, Union
+from typing import Hashable, Iterator, Sequence, Union
 
+import chex
 import jax
 import optax
 
@@ -23,19 +24,20 @@ TF_SLOT_NAMES = {'m': 'mu', 'v': 'nu', 'vhat': 'nu_max'}
 _OPTAX_TO_TF = {v: k for k, v in TF_SLOT_NAMES.items()}
 
 
-def _is_masked(x: Any) -> bool:
+def _is_masked(x: object) -> bool:
   return isinstance(x, optax.MaskedNode)
 
 
-def _is_leaf(x: Any) -> bool:
+def _is_leaf(x: object) -> bool:
   return _is_masked(x) or is_sparse_rows(x) or x is None
 
 
-def _is_namedtuple(x: Any) -> bool:
+def _is_namedtuple(x: object) -> bool:
   return isinstance(x, tuple) and hasattr(x, '_fields')
 
 
-def _fields(state: Any, where: str = '') -> Iterator[tuple[str, str, Any]]:
+def _fields(state: optax.OptState,
+            where: str = '') -> Iterator[tuple[str, str, chex.ArrayTree]]:
   """Yields `(field name, location, value)` for every NamedTuple field."""
   if _is_masked(state) or is_sparse_rows(state):
     return
@@ -52,12 +54,12 @@ def _fields(state: Any, where: str = '') -> Iterator[tuple[str, str, Any]]:
       yield from _fields(value, f'{where}[{k!r}]')
 
 
-def _leaves_by_path(tree: Any) -> dict[str, Any]:
+def _leaves_by_path(tree: chex.ArrayTree) -> dict[str, chex.ArrayTree]:
   flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
   return {path_name(p): leaf for p, leaf in flat}
 
 
-def _mirrors(value: Any, params: Any) -> bool:
+def _mirrors(value: chex.ArrayTree, params: optax.Params) -> bool:
   """Whether `value` holds one array per parameter (some maybe masked).
 
   `optax.masked` and `optax.partition` replace the entries of parameters
@@ -87,7 +89,7 @@ def _mirrors(value: Any, params: Any) -> bool:
   return kept > 0
 
 
-def get_slot_names(state: Any, params: Any) -> list[str]:
+def get_slot_names(state: optax.OptState, params: optax.Params) -> list[str]:
   """The names of the slots in `state` (TensorFlow's `get_slot_names()`).
 
   A slot is a state field holding a tree with the structure of `params`.
@@ -118,8 +120,8 @@ def get_slot_names(state: Any, params: Any) -> list[str]:
 
 
 def get_slot(
-    state: Any,
-    param_path: Union[str, Sequence[Any]],
+    state: optax.OptState,
+    param_path: Union[str, Sequence[Hashable]],
     name: str,
 ) -> jax.Array:
   """A parameter's slot array (TensorFlow's `optimizer.get_slot(var, name)`).
@@ -185,7 +187,7 @@ def get_slot(
   return found[0][1]
 
 
-def global_step(state: Any) -> jax.Array:
+def global_step(state: optax.OptState) -> jax.Array:
   """A state's step count (TensorFlow's `global_step`, Keras' `iterations`).
 
   Returns the first `count` field found in the state (depth first). Every

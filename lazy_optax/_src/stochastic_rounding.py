@@ -19,11 +19,14 @@ the same bits whatever the batch order, the mesh or the device count. A
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 import zlib
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
+import optax
 
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src import row_ops
@@ -38,12 +41,13 @@ from lazy_optax._src.sparse_rows import SparseRows
 _ROUNDED = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-def rounds_stochastically(dtype: Any) -> bool:
+def rounds_stochastically(dtype: DTypeLike) -> bool:
   """Whether `apply_updates_stochastic` rounds leaves of this dtype."""
   return jnp.dtype(dtype) in _ROUNDED
 
 
-def stochastic_round(x: jax.Array, dtype: Any, key: jax.Array) -> jax.Array:
+def stochastic_round(x: jax.Array, dtype: DTypeLike,
+                     key: jax.Array) -> jax.Array:
   """Rounds float32 `x` to `dtype` up or down at random, without bias.
 
   Each entry goes to the neighbour above with probability
@@ -131,7 +135,7 @@ def neighbour(x: jax.Array, up: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(x) | (jnp.isinf(x) & away), x, out)
 
 
-def _kernel_rounds(param: Any, ids: Any, key: jax.Array,
+def _kernel_rounds(param: jax.Array, ids: jax.Array, key: jax.Array,
                    backend: Optional[Backend]) -> bool:
   """Whether the CPU kernel rounds this leaf: bfloat16, threefry, and the
   table's backend (or, for an update rebuilt from leaves, where it lives)
@@ -142,13 +146,13 @@ def _kernel_rounds(param: Any, ids: Any, key: jax.Array,
           and row_ops.kernels_for(param, backend))
 
 
-def _leaf_key(key: jax.Array, step: Any, path: str) -> jax.Array:
+def _leaf_key(key: jax.Array, step: ArrayLike, path: str) -> jax.Array:
   key = jax.random.fold_in(key, jnp.asarray(step, jnp.uint32))
   return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
 
 
 def _round_rows(exact: jax.Array, row_ids: jax.Array, key: jax.Array,
-                dtype: Any) -> jax.Array:
+                dtype: DTypeLike) -> jax.Array:
   """Rounds `exact[i]` with the bits of row `row_ids[i]`."""
   return jax.vmap(lambda x, r: stochastic_round(
       x, dtype, jax.random.fold_in(key, r)))(exact, row_ids)
@@ -172,8 +176,9 @@ def _row_ids(like: jax.Array) -> jax.Array:
       mesh, jax.sharding.PartitionSpec(spec[0] if len(spec) else None)))
 
 
-def _add_rounded(path: Any, param: Any, update: Any, key: jax.Array,
-                 step: Any) -> Any:
+def _add_rounded(path: jax.tree_util.KeyPath, param: Optional[ArrayLike],
+                 update: ArrayLike | SparseRows, key: jax.Array,
+                 step: ArrayLike) -> Optional[jax.Array]:
   if param is None:
     return None
   param = jnp.asarray(param)
@@ -220,12 +225,12 @@ def _add_rounded(path: Any, param: Any, update: Any, key: jax.Array,
 
 
 def apply_updates_stochastic(
-    params: Any,
-    updates: Any,
+    params: optax.Params,
+    updates: optax.Updates,
     *,
     key: jax.Array,
-    step: Any,
-) -> Any:
+    step: ArrayLike,
+) -> optax.Params:
   """`apply_updates`, with stochastic rounding into 16-bit parameters.
 
   For every bfloat16 or float16 parameter, `param + update` is computed in

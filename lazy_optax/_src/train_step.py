@@ -22,21 +22,26 @@ compiles and runs as `jax.jit` alone would.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Optional, ParamSpec, Sequence, TypeVar, Union
 import warnings
 import weakref
 
+import chex
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
 import numpy as np
 
 from lazy_optax._src import damage
 
-_WARNED: 'weakref.WeakSet[Any]' = weakref.WeakSet()
+_P = ParamSpec('_P')
+_T = TypeVar('_T')
+
+_WARNED: 'weakref.WeakSet[Callable[..., object]]' = weakref.WeakSet()
 _WARNED_IDS: set[int] = set()
 
 
-def _first_time(step: Any) -> bool:
+def _first_time(step: Callable[..., object]) -> bool:
   """True the first time `step` is seen (warn once per step function)."""
   try:
     if step in _WARNED:
@@ -49,7 +54,8 @@ def _first_time(step: Any) -> bool:
   return True
 
 
-def _lowered(step: Any, args: Any, kwargs: Any) -> jax.stages.Lowered:
+def _lowered(step: Callable[..., object], args: Sequence[object],
+             kwargs: dict[str, object]) -> jax.stages.Lowered:
   lower = getattr(step, 'lower', None)
   if lower is None:
     raise TypeError(
@@ -66,11 +72,11 @@ def _lowered(step: Any, args: Any, kwargs: Any) -> jax.stages.Lowered:
   return lowered
 
 
-def _is_table(info: Any) -> bool:
+def _is_table(info: jax.stages.ArgInfo) -> bool:
   return len(info.shape) >= 2 and jnp.issubdtype(info.dtype, jnp.inexact)
 
 
-def _nbytes(info: Any) -> int:
+def _nbytes(info: jax.stages.ArgInfo) -> int:
   size = 1
   for d in info.shape:
     size *= int(d)
@@ -84,7 +90,7 @@ def _size(nbytes: int) -> str:
   return f'{nbytes} bytes'
 
 
-def _arg_name(path: Any) -> str:
+def _arg_name(path: jax.tree_util.KeyPath) -> str:
   """`args[0]['table']` for a path into `Lowered.args_info`'s (args, kwargs)."""
   if path and isinstance(path[0], jax.tree_util.SequenceKey) and (
       path[0].idx in (0, 1)):
@@ -96,7 +102,7 @@ _HLO_TYPES = {'float32': 'f32', 'bfloat16': 'bf16', 'float16': 'f16',
               'float64': 'f64', 'complex64': 'c64', 'complex128': 'c128'}
 
 
-def _hlo_shape(info: Any) -> str:
+def _hlo_shape(info: jax.stages.ArgInfo) -> str:
   name = _HLO_TYPES.get(jnp.dtype(info.dtype).name, jnp.dtype(info.dtype).name)
   return f'{name}[{",".join(str(int(d)) for d in info.shape)}]'
 
@@ -106,7 +112,7 @@ def _hlo_shape(info: Any) -> str:
 COPY_WARN_BYTES = 2**20
 
 
-def _copied_tables(hlo: str, tables: Sequence[tuple[str, Any]]
+def _copied_tables(hlo: str, tables: Sequence[tuple[str, jax.stages.ArgInfo]]
                    ) -> dict[str, int]:
   """The donated tables that the compiled step copies whole, and the bytes.
 
@@ -121,7 +127,7 @@ def _copied_tables(hlo: str, tables: Sequence[tuple[str, Any]]
   return copied
 
 
-def _table_copies(hlo: str, tables: Sequence[tuple[str, Any]]
+def _table_copies(hlo: str, tables: Sequence[tuple[str, jax.stages.ArgInfo]]
                   ) -> list[tuple[str, int, bool]]:
   """Per table-sized copy: the table, its bytes, whether in a cond branch."""
   by_shape: dict[str, list[tuple[str, int]]] = {}
@@ -152,7 +158,8 @@ def _copies(hlo: str) -> list[tuple[str, bool]]:
   return found
 
 
-def _in_branches(hlo: str, tables: Sequence[tuple[str, Any]]) -> bool:
+def _in_branches(hlo: str,
+                 tables: Sequence[tuple[str, jax.stages.ArgInfo]]) -> bool:
   """Whether every table-sized copy lies in a `lax.cond` branch."""
   return all(in_branch for _, _, in_branch in _table_copies(hlo, tables))
 
@@ -181,7 +188,8 @@ _ADVICE = (
     'step with lazy_optax.perf.make_train_step.')
 
 
-def warn_if_not_donated(step: Any, *args: Any, **kwargs: Any) -> bool:
+def warn_if_not_donated(step: Callable[..., object], *args: object,
+                        **kwargs: object) -> bool:
   """Warns once if a jitted train step does not update its tables in place.
 
   Lowers and compiles `step` for these arguments (nothing runs) and checks,
@@ -267,11 +275,11 @@ def warn_if_not_donated(step: Any, *args: Any, **kwargs: Any) -> bool:
 
 
 def make_train_step(
-    fun: Callable[..., Any],
+    fun: Callable[_P, _T],
     *,
     donate_argnums: Union[int, Sequence[int]] = (0, 1),
     **jit_kwargs: Any,
-) -> Callable[..., Any]:
+) -> Callable[_P, _T]:
   """`jax.jit(fun, donate_argnums=...)` that checks its donation once, and
   keeps the train state when a step is refused.
 
@@ -325,7 +333,8 @@ def make_train_step(
   donated = ((donate_argnums,) if isinstance(donate_argnums, int)
              else tuple(donate_argnums))
 
-  def traced(*args: Any, **kwargs: Any) -> Any:
+  def traced(*args: _P.args,
+             **kwargs: _P.kwargs) -> tuple[chex.ArrayTree, Optional[_Refused]]:
     with damage.recording() as refusals:
       out = fun(*args, **kwargs)
     failed = refusals.failed()
@@ -338,7 +347,7 @@ def make_train_step(
   checked: list[bool] = []
 
   @functools.wraps(fun)
-  def step(*args: Any, **kwargs: Any) -> Any:
+  def step(*args: _P.args, **kwargs: _P.kwargs) -> _T:
     if not checked:
       checked.append(True)
       warn_if_not_donated(jitted, *args, **kwargs)
@@ -361,9 +370,9 @@ _NOT_IN_PLACE = (
     'returns.')
 
 
-def _kept_when_failed(out: Any, args: tuple[Any, ...],
+def _kept_when_failed(out: chex.ArrayTree, args: tuple[object, ...],
                       donated: tuple[int, ...], failed: jax.Array,
-                      refusals: damage.Refusals) -> Any:
+                      refusals: damage.Refusals) -> chex.ArrayTree:
   """`out` whose donated arguments' entries are the arguments when `failed`.
 
   Output `k` holds argument `k`'s new value (a step that donates one
@@ -393,13 +402,14 @@ def _kept_when_failed(out: Any, args: tuple[Any, ...],
   return type(out)(outs)
 
 
-def _same_structure(a: Any, b: Any) -> bool:
-  structures: list[Any] = [jax.tree.structure(a), jax.tree.structure(b)]
+def _same_structure(a: chex.ArrayTree, b: chex.ArrayTree) -> bool:
+  structures: list[jax.tree_util.PyTreeDef] = [jax.tree.structure(a),
+                                               jax.tree.structure(b)]
   return structures[0] == structures[1]
 
 
-def _keep(new: Any, old: Any, k: int, failed: jax.Array,
-          refusals: damage.Refusals) -> Any:
+def _keep(new: ArrayLike, old: ArrayLike, k: int, failed: jax.Array,
+          refusals: damage.Refusals) -> ArrayLike:
   """A leaf of output `k`: `old` when `failed` (argument `k`'s leaf)."""
   if refusals.unchanged_when_failed(new, old):
     return new
@@ -417,7 +427,8 @@ class _Refused:
   """A step's checks as data: which failed, and their fields (leaves); the
   errors and messages (static, so they survive in jit's cache)."""
 
-  def __init__(self, leaves: Any, static: Any):
+  def __init__(self, leaves: list[tuple[jax.Array, dict[str, jax.Array]]],
+               static: tuple[tuple[type, Callable[..., str]], ...]):
     self.leaves, self.static = leaves, static
 
   @classmethod
@@ -433,7 +444,7 @@ class _Refused:
   def tree_unflatten(cls, static, children):
     return cls(children[0], static)
 
-  def raise_if_failed(self, outputs: Any) -> None:
+  def raise_if_failed(self, outputs: chex.ArrayTree) -> None:
     """Raises the first failed check's error, carrying `outputs`."""
     bads = np.asarray(jax.device_get([bad for bad, _ in self.leaves]))
     for failed, (_, fields), (error, message) in zip(bads, self.leaves,

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
+import chex
 import jax
 
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import is_sparse_rows
 
 
-def _paths(tree: Any) -> list[str]:
+def _paths(tree: chex.ArrayTree) -> list[str]:
   flat = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_sparse_rows)
   return [path_name(p) for p, _ in flat[0]]
 
 
-def describe(a: Any, b: Any, a_name: str = 'the gradients',
+def describe(a: chex.ArrayTree, b: chex.ArrayTree,
+             a_name: str = 'the gradients',
              b_name: str = 'the parameters') -> str:
   """A phrase naming where `a` and `b` differ.
 

@@ -9,34 +9,39 @@ their rows (repeated ids mean "sum") and scaled in their values only.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Hashable, Optional
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+import optax
 
 from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
 
 
-def _add_leaves(*leaves: Any) -> Any:
+def _add_leaves(
+    *leaves: Optional[jax.Array | SparseRows]
+) -> Optional[jax.Array | SparseRows]:
   if any(leaf is None for leaf in leaves):
     if not all(leaf is None for leaf in leaves):
       raise ValueError(
           'lazy_optax.tree.add: a leaf is None in some trees only.')
     return None
   sparse = [x for x in leaves if isinstance(x, SparseRows)]
-  dense = [x for x in leaves if not isinstance(x, SparseRows)]
+  dense = [x for x in leaves
+           if x is not None and not isinstance(x, SparseRows)]
   if not dense:
     return SparseRows.concatenate(sparse)
   total = dense[0]
   for x in dense[1:]:
     total = total + x
-  for x in sparse:
-    total = x.add_to(total)
+  for part in sparse:
+    total = part.add_to(total)
   return total
 
 
-def add(*trees: Any) -> Any:
+def add(*trees: optax.Updates) -> optax.Updates:
   """Adds gradient trees; `SparseRows` leaves are concatenated, not summed.
 
   The row-sparse counterpart of `optax.tree.add` for accumulating gradients
@@ -73,7 +78,7 @@ def add(*trees: Any) -> Any:
                       is_leaf=lambda x: x is None or is_sparse_rows(x))
 
 
-def scale(tree: Any, factor: Any) -> Any:
+def scale(tree: optax.Updates, factor: ArrayLike) -> optax.Updates:
   """Multiplies every gradient by a number; `SparseRows` in their values only.
 
   For averaging accumulated gradients, loss scaling (`scale(grads,
@@ -102,7 +107,8 @@ def scale(tree: Any, factor: Any) -> Any:
                       is_leaf=lambda x: x is None or is_sparse_rows(x))
 
 
-def _gather_rows(x: SparseRows, axis_name: Any, divide: bool) -> SparseRows:
+def _gather_rows(x: SparseRows, axis_name: Hashable,
+                 divide: bool) -> SparseRows:
   # Every device writes its rows into its own block of a zero buffer and the
   # buffers are summed: the result is the all-gather of the rows, replicated
   # (so `shard_map` can return it with `out_specs=P()`), and adding zeros
@@ -127,7 +133,8 @@ def _gather_rows(x: SparseRows, axis_name: Any, divide: bool) -> SparseRows:
   return out / size if divide else out
 
 
-def _reduce(tree: Any, axis_name: Any, mean: bool) -> Any:
+def _reduce(tree: optax.Updates, axis_name: Hashable,
+            mean: bool) -> optax.Updates:
   def one(x):
     if x is None:
       return None
@@ -139,7 +146,7 @@ def _reduce(tree: Any, axis_name: Any, mean: bool) -> Any:
                       is_leaf=lambda x: x is None or is_sparse_rows(x))
 
 
-def psum(tree: Any, axis_name: Any) -> Any:
+def psum(tree: optax.Updates, axis_name: Hashable) -> optax.Updates:
   """`lax.psum` of a gradient tree over a named axis, `SparseRows` included.
 
   For data parallelism inside `jax.shard_map` or `jax.pmap`: dense leaves are
@@ -166,7 +173,7 @@ def psum(tree: Any, axis_name: Any) -> Any:
   return _reduce(tree, axis_name, mean=False)
 
 
-def pmean(tree: Any, axis_name: Any) -> Any:
+def pmean(tree: optax.Updates, axis_name: Hashable) -> optax.Updates:
   """`lax.pmean` of a gradient tree over a named axis, `SparseRows` included.
 
   Like `psum`, with every value divided by the axis size: dense leaves

@@ -7,11 +7,13 @@ do instead.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Hashable, Iterable, Mapping, Optional, Sequence
 import warnings
 
 import jax
 import jax.numpy as jnp
+from jax.typing import ArrayLike
+from jax.typing import DTypeLike
 import numpy as np
 
 _FIX = ('combine gradient trees with lazy_optax.tree.add(g1, g2), across '
@@ -29,7 +31,7 @@ _COMBINE = (
     'optax transformations go inside lazy_optax.lazy(optax.chain(...)).')
 
 
-def damaged_ids_message(where: str, count: Any, total: int) -> str:
+def damaged_ids_message(where: str, count: int | str, total: int) -> str:
   """The message for ids changed by arithmetic on the gradient tree.
 
   Its first line says what happened and what to write instead.
@@ -45,7 +47,7 @@ def damaged_ids_message(where: str, count: Any, total: int) -> str:
       f'first gradients instead. {_COMBINE}')
 
 
-def reduced_values_message(where: str, axes: Any) -> str:
+def reduced_values_message(where: str, axes: Iterable[Hashable]) -> str:
   """The message for values summed across devices while the ids were not."""
   return (
       f'The values of {where} do not vary over the mesh axes {list(axes)} '
@@ -80,8 +82,9 @@ class SparseRowsClass(type):
 MISSING = object()   # an argument not given
 
 
-def sparse_rows_arguments(ids: Any, values: Any, rows: Any, indices: Any,
-                          impl: Any) -> tuple[Any, Any, int]:
+def sparse_rows_arguments(ids: object, values: object, rows: object,
+                          indices: object,
+                          impl: object) -> tuple[jax.Array, jax.Array, int]:
   """`SparseRows(...)`'s arguments, checked: `(ids, values, num_rows)`.
 
   Concrete ids and values come back as arrays (the ids with all their bits:
@@ -89,18 +92,20 @@ def sparse_rows_arguments(ids: Any, values: Any, rows: Any, indices: Any,
   """
   ids = _ids_argument(ids, indices, values, rows)
   rows = num_rows(rows)
-  tracer = lambda x: isinstance(x, jax.core.Tracer)
-  given, ids = ids, ids if tracer(ids) else jnp.asarray(ids)
-  values = values if tracer(values) else jnp.asarray(values)
+  given = ids
+  ids = ids if isinstance(ids, jax.core.Tracer) else jnp.asarray(ids)
+  values = (values if isinstance(values, jax.core.Tracer)
+            else jnp.asarray(values))
   index_vector(ids, 'SparseRows')
   one_row_per_index(ids.shape[0], values, 'SparseRows')
-  if not tracer(ids):
+  if not isinstance(ids, jax.core.Tracer):
     indices_in_range(given, rows, 'SparseRows')
   impl_argument(impl, 'SparseRows')
   return ids, values, rows
 
 
-def _ids_argument(ids: Any, indices: Any, values: Any, rows: Any) -> Any:
+def _ids_argument(ids: object, indices: object, values: object,
+                 rows: object) -> object:
   """`SparseRows`'s ids, given as `ids` or as the deprecated `indices`."""
   if indices is not MISSING:
     if ids is not MISSING:
@@ -117,7 +122,8 @@ def _ids_argument(ids: Any, indices: Any, values: Any, rows: Any) -> Any:
   return ids
 
 
-def parts_of_one_table(shapes: list[Any]) -> None:
+def parts_of_one_table(
+    shapes: Sequence[Optional[tuple[int, ...]]]) -> None:
   """`SparseRows.concatenate`'s parts: `SparseRows` (shape) of one table."""
   if not shapes or any(shape is None for shape in shapes):
     raise TypeError('SparseRows.concatenate takes a non-empty sequence of '
@@ -130,7 +136,7 @@ def parts_of_one_table(shapes: list[Any]) -> None:
           'be combined.')
 
 
-def num_rows(value: Any) -> int:
+def num_rows(value: object) -> int:
   """A static, non-negative row count."""
   if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
     raise TypeError(
@@ -140,7 +146,7 @@ def num_rows(value: Any) -> int:
   return int(value)
 
 
-def integer_ids(ids: Any, where: str) -> None:
+def integer_ids(ids: ArrayLike, where: str) -> None:
   """Row ids (of any shape) must have an integer dtype."""
   dtype = jnp.result_type(ids)
   if not jnp.issubdtype(dtype, jnp.integer):
@@ -148,7 +154,7 @@ def integer_ids(ids: Any, where: str) -> None:
         f'{where}: row ids must have an integer dtype, got {dtype}.')
 
 
-def index_vector(ids: Any, where: str) -> None:
+def index_vector(ids: ArrayLike, where: str) -> None:
   """Ids must be an integer vector `[N]`."""
   integer_ids(ids, where)
   if jnp.ndim(ids) != 1:
@@ -157,7 +163,7 @@ def index_vector(ids: Any, where: str) -> None:
         f'{tuple(jnp.shape(ids))}.')
 
 
-def one_row_per_index(count: int, values: Any, where: str) -> None:
+def one_row_per_index(count: int, values: ArrayLike, where: str) -> None:
   """Values `[count, *row_shape]`: one row per id."""
   shape = tuple(jnp.shape(values))
   if len(shape) < 1 or shape[0] != count:
@@ -180,7 +186,7 @@ def out_of_range_message(where: str, num_rows: int) -> str:
           'to rows), or give it more rows.')
 
 
-def indices_in_range(ids: Any, num_rows: int, where: str) -> None:
+def indices_in_range(ids: object, num_rows: int, where: str) -> None:
   """Concrete ids must lie in `[0, num_rows)`; names the first bad one.
 
   Ids spread over several processes cannot be read here (each process holds
@@ -197,7 +203,8 @@ def indices_in_range(ids: Any, num_rows: int, where: str) -> None:
         id=int(host[bad[0]]), position=int(bad[0]), count=bad.size))
 
 
-def ids_fit_jax(ids: Any, num_rows: int, where: str) -> None:
+def ids_fit_jax(ids: ArrayLike | Sequence[int], num_rows: int,
+                where: str) -> None:
   """Concrete host ids must survive the cast to JAX's integer dtype.
 
   Without `jax_enable_x64`, `jnp.asarray` cuts NumPy int64 ids to int32
@@ -223,7 +230,8 @@ def ids_fit_jax(ids: Any, num_rows: int, where: str) -> None:
         count=int(lost.sum())))
 
 
-def id_code_structure(code: Any, values: Any, width: int, where: str) -> None:
+def id_code_structure(code: ArrayLike, values: ArrayLike, width: int,
+                      where: str) -> None:
   """What a tree-wide cast or reshape of a `SparseRows` shows at trace time."""
   dtype = jnp.result_type(code)
   if dtype != jnp.float32:
@@ -249,7 +257,7 @@ def same_shape(got: tuple[int, ...], expected: tuple[int, ...],
         f'SparseRows is for shape {tuple(expected)}.')
 
 
-def _python_number(x: Any) -> bool:
+def _python_number(x: object) -> bool:
   # Arrays (`optax.inject_hyperparams` passes them, traced under jit) and
   # schedules pass through: only numbers known when the optimizer is built
   # are checked.
@@ -265,7 +273,7 @@ _RANGES = {
 }
 
 
-def hyperparameters(fn: str, **kinds: dict[str, Any]) -> None:
+def hyperparameters(fn: str, **kinds: Mapping[str, object]) -> None:
   """Checks an optimizer's hyperparameters that are Python numbers.
 
   One place and one wording for every optimizer: `'{fn}: {name} must be
@@ -286,7 +294,7 @@ def hyperparameters(fn: str, **kinds: dict[str, Any]) -> None:
         raise ValueError(f'{fn}: {name} must be {wording}, got {value!r}.')
 
 
-def floating(dtype: Any, where: str, what: str = 'gradients') -> None:
+def floating(dtype: DTypeLike, where: str, what: str = 'gradients') -> None:
   """Gradients (and parameters with row-sparse gradients) are floating."""
   if not jnp.issubdtype(dtype, jnp.inexact):
     raise TypeError(f'{where} has dtype {dtype}; {what} must be floating '
@@ -297,7 +305,7 @@ def floating(dtype: Any, where: str, what: str = 'gradients') -> None:
 IMPLS = ('auto', 'generic', 'xla', 'cpu_kernel')
 
 
-def impl_argument(impl: Any, where: str) -> None:
+def impl_argument(impl: object, where: str) -> None:
   """`impl` must be one of `IMPLS`."""
   if impl not in IMPLS:
     raise ValueError(f'{where}: impl must be one of {IMPLS}, got {impl!r}.')

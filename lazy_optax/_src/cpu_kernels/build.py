@@ -55,6 +55,8 @@ SOURCE = os.path.join(HERE, 'rows.cc')
 SOURCES = (SOURCE, os.path.join(HERE, 'id_kernels.cc'))
 PREBUILT_DIR = os.path.join(HERE, 'prebuilt')
 LIBRARY_NAME = 'lazy_optax_rows.so'
+# Measured on CPU only: -fno-math-errno (sqrt vectorizes) took the Adam
+# kernel from 0.63 to 0.34 ms, -march=native from 0.13 to 0.08 ms.
 FLAGS = ('-O3', '-fno-math-errno', '-std=c++17', '-shared', '-fPIC', '-w')
 # Added for builds on the machine that runs them (not for platform wheels).
 NATIVE_FLAGS = ('-march=native',)
