@@ -33,11 +33,12 @@ gets plain arrays and computes on them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, NamedTuple, Optional
+from typing import Any, Callable, Mapping, NamedTuple, Optional, TypeVar, Union
 import warnings
 
 import jax
 import jax.numpy as jnp
+import optax
 
 from lazy_optax._src import backend as _backend
 from lazy_optax._src import cpu_kernels
@@ -49,6 +50,8 @@ from lazy_optax._src.backend import row_bytes as _row_bytes
 from lazy_optax._src.placement import Placement
 
 IMPLS = validate.IMPLS
+
+_Hyper = TypeVar('_Hyper')  # a rule's hyperparameter record
 
 
 class RuleFacts(NamedTuple):
@@ -197,7 +200,7 @@ def is_table_rows(x: object) -> bool:
   return isinstance(x, TableRows)
 
 
-def stored_rows(tree: Any) -> Any:
+def stored_rows(tree: optax.Updates) -> optax.Updates:
   """`tree` with each `TableRows` read at its ids: the rows a rule stored
   (for a statistic of them, such as a peak); other leaves as they are."""
   return jax.tree.map(
@@ -281,22 +284,25 @@ def refusal(facts: RuleFacts,
   return ''
 
 
-def _step(rule: RowRule, g: Any, stored: dict[str, Any], params: Any,
-          hyper: Any, rows: dict[str, Any]) -> Any:
+def _step(rule: RowRule, g: jax.Array, stored: dict[str, jax.Array],
+          params: Optional[jax.Array], hyper: object,
+          rows: dict[str, jax.Array]) -> jax.Array:
   if rule.step_reads_old_rows:
     return rule.step(g, stored, params, hyper, rows)
   return rule.step(g, stored, params, hyper)
 
 
-def _dense(rule: RowRule, g: Any, rows: dict[str, Any], params: Any,
-           hyper: Any) -> tuple[Any, dict[str, Any]]:
+def _dense(rule: RowRule, g: jax.Array, rows: dict[str, jax.Array],
+           params: Optional[jax.Array], hyper: object
+           ) -> tuple[jax.Array, dict[str, jax.Array]]:
   new = rule.new_rows(g, rows, params, hyper)
   stored = {k: new[k].astype(rows[k].dtype) for k in rows}
   return _step(rule, g, stored, params, hyper, rows).astype(g.dtype), stored
 
 
-def _xla_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
-                ids: jax.Array, params: Any, hyper: Any, *, reread: bool,
+def _xla_tables(rule: RowRule, g: jax.Array, tables: dict[str, jax.Array],
+                ids: jax.Array, params: Optional[jax.Array], hyper: object,
+                *, reread: bool,
                 backend: Optional[Backend] = None
                 ) -> tuple[dict[str, jax.Array], jax.Array]:
   """The new tables (rows written by XLA) and the step."""
@@ -309,8 +315,8 @@ def _xla_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
   return out, _step(rule, g, stored, params, hyper, rows).astype(g.dtype)
 
 
-def _kernel_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
-                   ids: jax.Array, params: Any, hyper: Any,
+def _kernel_tables(rule: RowRule, g: jax.Array, tables: dict[str, jax.Array],
+                   ids: jax.Array, params: Optional[jax.Array], hyper: object,
                    backend: Backend) -> tuple[dict[str, jax.Array], jax.Array]:
   assert rule.kernel is not None and rule.kernel_hyper is not None
   where = backend.where
@@ -340,8 +346,9 @@ def _kernel_tables(rule: RowRule, g: Any, tables: dict[str, jax.Array],
   return dict(zip(names, new)), u.astype(g.dtype)
 
 
-def _per_shard(kernel: Callable[..., Any], where: Placement,
-               num_tables: int) -> Callable[..., Any]:
+def _per_shard(kernel: Callable[..., tuple[tuple[jax.Array, ...], jax.Array]],
+               where: Placement, num_tables: int
+               ) -> Callable[..., tuple[tuple[jax.Array, ...], jax.Array]]:
   """`kernel` run by each device on its own rows (`jax.shard_map`).
 
   `kernel(ids, g, h, p, *tables)` returns `(new tables, update rows)`, the
@@ -381,7 +388,8 @@ def narrowed(backend: Backend, impl: str, kernel: Callable[[], Backend]
                           row_kernels=False)
 
 
-def _kernel_or_raise(rule: RowRule, g: Any, given: dict[str, TableRows]
+def _kernel_or_raise(rule: RowRule, g: jax.Array,
+                     given: dict[str, TableRows]
                      ) -> Backend:
   first = next(iter(given.values()))
   why = refusal(rule.facts, {k: t.table for k, t in given.items()}, g.dtype,
@@ -390,8 +398,9 @@ def _kernel_or_raise(rule: RowRule, g: Any, given: dict[str, TableRows]
                          subject=rule.name, name=first.name)
 
 
-def _tabled(rule: RowRule, g: Any, given: dict[str, TableRows], params: Any,
-            hyper: Any, impl: str) -> tuple[Any, dict[str, TableRows]]:
+def _tabled(rule: RowRule, g: jax.Array, given: dict[str, TableRows],
+            params: Optional[jax.Array], hyper: object, impl: str
+            ) -> tuple[jax.Array, dict[str, TableRows]]:
   """One leaf whose state tables `lazy` handed over whole."""
   first = next(iter(given.values()))
   if first.rule != rule.name or set(given) != set(rule.tables):
@@ -415,10 +424,11 @@ def _tabled(rule: RowRule, g: Any, given: dict[str, TableRows], params: Any,
   return u, {k: given[k].replace(new[k], backend) for k in given}
 
 
-def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],
-               params: Any, hyper: Any, impl: str, *,
-               leaf_hyper: Optional[Callable[[int, Any], Any]] = None
-               ) -> tuple[Any, dict[str, Any]]:
+def apply_rule(rule: RowRule, updates: optax.Updates,
+               tables: Mapping[str, optax.Updates],
+               params: Optional[optax.Params], hyper: _Hyper, impl: str, *,
+               leaf_hyper: Optional[Callable[[int, _Hyper], _Hyper]] = None
+               ) -> tuple[optax.Updates, dict[str, optax.Updates]]:
   """Runs `rule` on every leaf of `updates`: in place where `lazy` says.
 
   A leaf whose state tables are `TableRows` (handed over by `lazy`) runs
@@ -443,16 +453,17 @@ def apply_rule(rule: RowRule, updates: Any, tables: dict[str, Any],
   Returns:
     `(updates, new_tables)` with the structures of `updates` and `tables`.
   """
-  treedef: Any = jax.tree.structure(updates)
+  treedef: jax.tree_util.PyTreeDef = jax.tree.structure(updates)
   grads = treedef.flatten_up_to(updates)
   leaves = {k: treedef.flatten_up_to(v) for k, v in tables.items()}
   param_leaves = ([None] * len(grads) if params is None
                   else treedef.flatten_up_to(params))
-  out: list[Any] = []
-  new: dict[str, list[Any]] = {k: [] for k in tables}
+  out: list[jax.Array] = []
+  new: dict[str, list[Union[jax.Array, TableRows]]] = {k: [] for k in tables}
   for i, g in enumerate(grads):
     rows = {k: leaves[k][i] for k in tables}
     h = hyper if leaf_hyper is None else leaf_hyper(i, hyper)
+    stored: Mapping[str, Union[jax.Array, TableRows]]
     if rows and all(isinstance(r, TableRows) for r in rows.values()):
       u, stored = _tabled(rule, g, rows, param_leaves[i], h, impl)
     else:

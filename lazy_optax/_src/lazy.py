@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -16,9 +16,9 @@ from lazy_optax._src import grads as _grads
 from lazy_optax._src import row_context
 from lazy_optax._src import row_ops
 from lazy_optax._src import row_state
+from lazy_optax._src import table_plan
 from lazy_optax._src import tree_diff
 from lazy_optax._src import validate
-from lazy_optax._src.id_code import index_dtype
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.paths import path_name
 from lazy_optax._src.sparse_rows import distinct_rows
@@ -34,25 +34,36 @@ class _RowLeaf(NamedTuple):
 
 class _Leaves(NamedTuple):
   """The gradient tree flattened with `SparseRows` as leaves."""
-  treedef: Any
+  treedef: jax.tree_util.PyTreeDef
   names: list[str]
-  grads: list[Any]
-  params: list[Any]
+  grads: list[Union[SparseRows, jax.Array]]
+  params: list[Optional[jax.Array]]
 
 
-def _shape_struct(x: Any) -> jax.ShapeDtypeStruct:
+def _shape_struct(x: Union[SparseRows, jax.typing.ArrayLike]
+                  ) -> jax.ShapeDtypeStruct:
   if isinstance(x, SparseRows):
     return jax.ShapeDtypeStruct(x.shape, x.dtype)
-  if not hasattr(x, 'shape') or not hasattr(x, 'dtype'):
-    x = jnp.asarray(x)
-  return jax.ShapeDtypeStruct(tuple(x.shape), x.dtype)
+  shape, dtype = getattr(x, 'shape', None), getattr(x, 'dtype', None)
+  if shape is None or dtype is None:
+    array = jnp.asarray(x)
+    shape, dtype = array.shape, array.dtype
+  return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
-def _flatten(updates: Any, params: Any) -> _Leaves:
+def _sparse(leaves: _Leaves, pos: int) -> SparseRows:
+  """The `SparseRows` gradient at `pos` (a position the caller knows)."""
+  grad = leaves.grads[pos]
+  assert isinstance(grad, SparseRows)
+  return grad
+
+
+def _flatten(updates: optax.Updates, params: Optional[optax.Params]
+             ) -> _Leaves:
   flat, treedef = jax.tree_util.tree_flatten_with_path(
       updates, is_leaf=is_sparse_rows)
   grads = [g for _, g in flat]
-  param_leaves: list[Any] = [None] * len(grads)
+  param_leaves: list[Optional[jax.Array]] = [None] * len(grads)
   if params is not None:
     try:
       param_leaves = treedef.flatten_up_to(  # type: ignore[attr-defined]
@@ -65,7 +76,8 @@ def _flatten(updates: Any, params: Any) -> _Leaves:
                  param_leaves)
 
 
-def check_sparse_leaf(grad: SparseRows, param: Any, name: str) -> None:
+def check_sparse_leaf(grad: SparseRows, param: Optional[jax.typing.ArrayLike],
+                      name: str) -> None:
   where = f'parameter {name}'
   grad.check(where)
   validate.floating(grad.values.dtype, f'The SparseRows gradient of {where}')
@@ -114,7 +126,7 @@ def _dense_table_message(name: str) -> str:
 
 
 def _check_dense_tables(leaves: _Leaves, skip_zero_rows: bool,
-                        extra_args: dict[str, Any]) -> None:
+                        extra_args: dict[str, object]) -> None:
   """Refuses a dense gradient for a table that `value_and_grad` gave a
   `SparseRows` (the zeros_like accumulation); `explain_update` is told
   which tables take the dense rule."""
@@ -142,7 +154,8 @@ def _touched_rows(grad: jax.Array) -> jax.Array:
 
 def _row_leaves(leaves: _Leaves, skip_zero_rows: bool,
                 backends: Optional[dict[int, _backend.Backend]]
-                ) -> tuple[dict[int, _RowLeaf], list[Any]]:
+                ) -> tuple[dict[int, _RowLeaf],
+                           list[Union[SparseRows, jax.Array]]]:
   """Which leaves are updated row by row, and the gradients `tx` sees."""
   rows: dict[int, _RowLeaf] = {}
   row_grads = list(leaves.grads)
@@ -160,7 +173,7 @@ def _row_leaves(leaves: _Leaves, skip_zero_rows: bool,
   return rows, row_grads
 
 
-def _gated(rows: dict[int, _RowLeaf], grads: list[Any]
+def _gated(rows: dict[int, _RowLeaf], leaves: _Leaves
            ) -> tuple[dict[int, _RowLeaf], Optional[int]]:
   """`rows` whose ids name no row if a check of the step helper failed
   (`damage.gate`: all of this update's gradients are checked by now), and
@@ -168,12 +181,13 @@ def _gated(rows: dict[int, _RowLeaf], grads: list[Any]
   seen = None
   for i, row in rows.items():
     if row.ids is not None:
-      ids, seen = damage.gate(row.ids, grads[i].num_rows)
+      ids, seen = damage.gate(row.ids, _sparse(leaves, i).num_rows)
       rows[i] = row._replace(ids=ids)
   return rows, seen
 
 
-def _note_writes(state: Any, new_state: Any, owners: list[Optional[int]],
+def _note_writes(state: optax.OptState, new_state: optax.OptState,
+                 owners: list[Optional[int]],
                  rows: dict[int, _RowLeaf], seen: Optional[int]) -> None:
   """Tells the step helper which state tables only gated writes changed."""
   for old, new, pos in zip(jax.tree.leaves(state), jax.tree.leaves(new_state),
@@ -199,7 +213,7 @@ def _put_back(old: jax.Array, new: jax.Array, row: _RowLeaf,
 
 
 def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
-                 new_updates: Any) -> Any:
+                 new_updates: optax.Updates) -> optax.Updates:
   out = leaves.treedef.flatten_up_to(new_updates)
   for i, row in rows.items():
     if row.ids is not None:
@@ -207,8 +221,8 @@ def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
       # structure): a `lax.cond` between the two (`optax.apply_if_finite`)
       # has one tree structure.
       out[i] = SparseRows.from_unique(
-          row.ids, out[i], leaves.grads[i].num_rows, distinct=True,
-          impl=leaves.grads[i].impl)
+          row.ids, out[i], _sparse(leaves, i).num_rows, distinct=True,
+          impl=_sparse(leaves, i).impl)
     else:
       assert row.row_mask is not None
       out[i] = jnp.where(broadcast_rows(row.row_mask, out[i]), out[i],
@@ -216,150 +230,23 @@ def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
   return leaves.treedef.unflatten(out)
 
 
-_NO_RULE = ('no lazy_optax rule declares these state rows (tx holds no '
-            'lazy_optax rule for this table): lazy(...) ran tx on the '
-            'gathered rows')
-
-_LOST = ('its state sits in a wrapper that rebuilds it (optax.apply_if_finite '
-         'or MultiSteps under a lax.cond): the rule computes on the row '
-         'blocks and lazy(...) writes them back')
-
-# Wrappers whose update rebuilds the inner state under a `lax.cond`: a
-# table written in place there would be copied, so their rules compute on
-# the row blocks.
-_REBUILT = (optax.ApplyIfFiniteState, optax.MultiStepsState,
-            optax.ConditionallyMaskState, optax.ConditionallyTransformState)
-
-
-class _RuleLeaf(NamedTuple):
-  """A state leaf that a declared rule's table holds (`fused.declare`)."""
-  facts: fused.RuleFacts
-  field: str
-  instance: int  # which declared state, in the state's leaf order
-  lost: bool     # inside a wrapper of `_REBUILT`
-
-
-def _rule_leaves(state: Any) -> list[Optional[_RuleLeaf]]:
-  """Per leaf of `state`, the declared rule table it belongs to, if any:
-  the declared states found by type, without tracing `update`."""
-  out: list[Optional[_RuleLeaf]] = []
-
-  def stop(node: Any) -> Any:
-    return lambda x: x is not node and (fused.facts_of(x) is not None
-                                        or isinstance(x, _REBUILT))
-
-  def walk(node: Any, lost: bool) -> None:
-    for sub in jax.tree.leaves(node, is_leaf=stop(node)):
-      facts = fused.facts_of(sub)
-      if isinstance(sub, _REBUILT):
-        walk(sub, True)
-      elif facts is None:
-        out.append(None)
-      else:
-        instance = len({r.instance for r in out if r is not None})
-        for field in sub._fields:
-          rule_leaf = (_RuleLeaf(facts, field, instance, lost)
-                       if field in facts.tables else None)
-          out.extend(rule_leaf for _ in jax.tree.leaves(getattr(sub, field)))
-
-  walk([state], False)
-  return out
-
-
-class _Plan(NamedTuple):
-  """What `lazy` decided for one update, before tracing it."""
-  moves: dict[int, _backend.Backend]    # per table position: row moves
-  # per state leaf handed whole: its backend and its rule's name
-  tabled: dict[int, tuple[_backend.Backend, str]]
-  choices: dict[tuple[int, int], row_context.Choice]  # (position, rule)
-
-
-def _table_of(pos: int, leaves: _Leaves, state_leaves: list[Any],
-              owners: list[Optional[int]]) -> Any:
-  """The array whose placement decides the table at `pos`."""
-  if leaves.params[pos] is not None:
-    return leaves.params[pos]
-  for leaf, owner in zip(state_leaves, owners):
-    if owner == pos:
-      return leaf
-  return leaves.grads[pos].values
-
-
-def _moves_note(move: _backend.Backend) -> str:
-  return (' (rows moved by the C++ kernels on CPU)' if move.row_kernels
-          else ' (rows moved by XLA)')
-
-
-def _decide_rule(table: Any, name: str, impl: str, grad: SparseRows,
-                 rule_tables: dict[str, Any], rule_leaf: _RuleLeaf
-                 ) -> _backend.Backend:
-  """The backend of one declared rule's tables of one parameter."""
-  where = _backend.placement(table)
-  if rule_leaf.lost:
-    return _backend.Backend('generic', _LOST, False, where)
-  why = fused.refusal(rule_leaf.facts, rule_tables, grad.dtype,
-                      index_dtype(grad.num_rows))
-  return _backend.decide(table, impl, refusal=why,
-                         subject=rule_leaf.facts.name, name=name)
-
-
-def _decide(leaves: _Leaves, state: Any, owners: list[Optional[int]],
-            impl: str) -> _Plan:
-  """Every table's row moves and every declared rule's backend."""
-  state_leaves = jax.tree.leaves(state)
-  rule_leaves = _rule_leaves(state)
-  plan = _Plan({}, {}, {})
-  for pos, grad in enumerate(leaves.grads):
-    if not isinstance(grad, SparseRows):
-      continue
-    name = leaves.names[pos]
-    table = _table_of(pos, leaves, state_leaves, owners)
-    kernels = (impl not in ('xla', 'generic') and grad.impl != 'xla'
-               and _backend.row_kernels_allowed(_backend.placement(table)))
-    move = plan.moves[pos] = _backend.Backend(
-        'generic', 'lazy(...) moves the rows', kernels,
-        _backend.placement(table))
-    groups: dict[int, list[int]] = {}
-    for i, (owner, rule_leaf) in enumerate(zip(owners, rule_leaves)):
-      if owner == pos and rule_leaf is not None:
-        groups.setdefault(rule_leaf.instance, []).append(i)
-    for instance, held in groups.items():
-      rule_leaf = rule_leaves[held[0]]
-      assert rule_leaf is not None
-      decided = _decide_rule(
-          table, name, impl, grad,
-          {rule_leaves[i].field: state_leaves[i] for i in held},  # type: ignore[union-attr]
-          rule_leaf)._replace(row_kernels=kernels)
-      plan.choices[pos, instance] = row_context.Choice(
-          name, rule_leaf.facts.name, decided.kind,
-          decided.reason + _moves_note(move))
-      if not rule_leaf.lost:
-        plan.tabled.update((i, (decided, rule_leaf.facts.name))
-                           for i in held)
-    if not groups:
-      plan.choices[pos, -1] = row_context.Choice(
-          name, 'tx', 'generic',
-          (_NO_RULE if pos in owners else 'no state rows: only the update '
-           'rows') + _moves_note(move))
-  return plan
-
-
 class _Blocks(NamedTuple):
   """One trace's row blocks, and the plan that moves them."""
   leaves: _Leaves
   rows: dict[int, _RowLeaf]             # the row-lazy leaves, by position
-  plan: Optional[_Plan]                 # None for dense leaves only
+  plan: Optional[table_plan.Plan]       # None for dense leaves only
 
   def moves(self, pos: int) -> Optional[_backend.Backend]:
     return self.plan.moves.get(pos) if self.plan is not None else None
 
 
-def _at_rows(blocks: _Blocks, leaf: Any, pos: Optional[int],
-             index: Optional[int] = None) -> Any:
+def _at_rows(blocks: _Blocks, leaf: Optional[jax.Array],
+             pos: Optional[int], index: Optional[int] = None
+             ) -> Union[None, jax.Array, fused.TableRows]:
   """`leaf` at the touched rows of the table at `pos` (the leaf itself for
   None); a declared rule's table handed whole (`fused.TableRows`) where
   the plan says so."""
-  if pos is None:
+  if pos is None or leaf is None:
     return leaf
   row = blocks.rows[pos]
   plan = blocks.plan
@@ -370,8 +257,9 @@ def _at_rows(blocks: _Blocks, leaf: Any, pos: Optional[int],
   return _gather(leaf, row, blocks.moves(pos))
 
 
-def _row_inputs(blocks: _Blocks, state: Any, owners: list[Optional[int]],
-                params: Any) -> tuple[Any, Any]:
+def _row_inputs(blocks: _Blocks, state: optax.OptState,
+                owners: list[Optional[int]], params: Optional[optax.Params]
+                ) -> tuple[optax.OptState, Optional[optax.Params]]:
   """The state and parameters `tx.update` sees: each leaf that mirrors a
   table at its touched rows (the state first)."""
   state_leaves, state_def = jax.tree.flatten(state)
@@ -386,8 +274,9 @@ def _row_inputs(blocks: _Blocks, state: Any, owners: list[Optional[int]],
   return row_state_tree, row_params
 
 
-def _write_back(blocks: _Blocks, old: Any, new: Any, pos: Optional[int]
-                ) -> Any:
+def _write_back(blocks: _Blocks, old: jax.Array,
+                new: Union[jax.Array, fused.TableRows], pos: Optional[int]
+                ) -> jax.Array:
   """The new state leaf: the table a rule wrote itself, else `new`'s rows
   written into `old` (`new` itself for a leaf that mirrors no table)."""
   if isinstance(new, fused.TableRows):
@@ -397,8 +286,9 @@ def _write_back(blocks: _Blocks, old: Any, new: Any, pos: Optional[int]
   return _put_back(old, new, blocks.rows[pos], blocks.moves(pos))
 
 
-def _new_state(blocks: _Blocks, state: Any, new_row_state: Any,
-               owners: list[Optional[int]]) -> Any:
+def _new_state(blocks: _Blocks, state: optax.OptState,
+               new_row_state: optax.OptState, owners: list[Optional[int]]
+               ) -> optax.OptState:
   """`state` with the rows `tx.update` returned written back."""
   state_leaves, state_def = jax.tree.flatten(state)
   new_leaves = jax.tree.leaves(new_row_state, is_leaf=fused.is_table_rows)
@@ -407,45 +297,35 @@ def _new_state(blocks: _Blocks, state: Any, new_row_state: Any,
       for o, n, pos in zip(state_leaves, new_leaves, owners)])
 
 
-def _report(plan: _Plan, new_row_state: Any, log: list[row_context.Choice]
-            ) -> None:
-  """Adds each table's choice to `explain_update`'s log: as decided, or as
-  the rule ran it (a rule's own `impl=`, or a nested `lazy`'s, narrows the
-  decision for its tables; the row moves stay this `lazy`'s)."""
-  ran = {(t.name, t.rule): t.backend for t in jax.tree.leaves(
-      new_row_state, is_leaf=fused.is_table_rows)
-         if isinstance(t, fused.TableRows)}
-  for (pos, _), choice in plan.choices.items():
-    backend = ran.get((choice.parameter, choice.rule))
-    if backend is not None and backend.kind != choice.impl:
-      choice = choice._replace(
-          impl=backend.kind,
-          reason=backend.reason + _moves_note(plan.moves[pos]))
-    log.append(choice)
+def _ids_tree(leaves: _Leaves, rows: dict[int, _RowLeaf]
+              ) -> optax.Updates:
+  out: list[Optional[row_context.TableIds]] = [None] * len(leaves.grads)
+  for i, row in rows.items():
+    if row.ids is not None:
+      out[i] = row_context.TableIds(row.ids, _sparse(leaves, i).num_rows)
+  return leaves.treedef.unflatten(out)
 
 
-def _ids_tree(leaves: _Leaves, rows: dict[int, _RowLeaf]) -> Any:
-  return leaves.treedef.unflatten([
-      row_context.TableIds(rows[i].ids, leaves.grads[i].num_rows)
-      if i in rows and rows[i].ids is not None else None
-      for i in range(len(leaves.grads))])
-
-
-def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
-           params: Any, extra_args: dict[str, Any], skip_zero_rows: bool,
-           impl: str) -> tuple[Any, Any]:
+def _trace(inner: optax.GradientTransformationExtraArgs,
+           find_owners: row_state.OwnerCache, leaves: _Leaves,
+           state: optax.OptState, params: Optional[optax.Params],
+           extra_args: dict[str, object], skip_zero_rows: bool,
+           impl: str) -> tuple[optax.Updates, optax.OptState]:
   """`inner.update` on the touched rows: decide, gather, update, write
   back (one trace of `inner.update`)."""
   sparse = [i for i, g in enumerate(leaves.grads)
             if isinstance(g, SparseRows)]
   for i in sparse:  # before the state is read: its messages name the cause
-    check_sparse_leaf(leaves.grads[i], leaves.params[i], leaves.names[i])
-  plan = (_decide(leaves, state,
-                  _state_owners(find_owners, leaves, sparse, state), impl)
+    check_sparse_leaf(_sparse(leaves, i), leaves.params[i], leaves.names[i])
+  plan = (table_plan.decide(
+      {i: table_plan.Table(leaves.names[i], _sparse(leaves, i),
+                           leaves.params[i])
+       for i in sparse}, state,
+      _state_owners(find_owners, leaves, sparse, state), impl)
           if sparse else None)
   rows, row_grads = _row_leaves(
       leaves, skip_zero_rows, plan.moves if plan is not None else None)
-  rows, seen = _gated(rows, leaves.grads)
+  rows, seen = _gated(rows, leaves)
   owners = _state_owners(find_owners, leaves, list(rows), state)
   blocks = _Blocks(leaves, rows, plan)
   row_state_tree, row_params = _row_inputs(blocks, state, owners, params)
@@ -457,12 +337,13 @@ def _trace(inner: Any, find_owners: Any, leaves: _Leaves, state: Any,
   new_state = _new_state(blocks, state, new_row_state, owners)
   _note_writes(state, new_state, owners, rows, seen)
   if plan is not None and given is not None and given.log is not None:
-    _report(plan, new_row_state, given.log)
+    table_plan.report(plan, new_row_state, given.log)
   return _row_updates(leaves, rows, new_updates), new_state
 
 
-def _state_owners(find_owners: Any, leaves: _Leaves, positions: list[int],
-                  state: Any) -> list[Optional[int]]:
+def _state_owners(find_owners: row_state.OwnerCache, leaves: _Leaves,
+                  positions: list[int], state: optax.OptState
+                  ) -> list[Optional[int]]:
   """Per state leaf, the position of the table it mirrors (None: none), among
   the tables at `positions` (`row_state.OwnerCache`)."""
   return find_owners(
@@ -471,7 +352,7 @@ def _state_owners(find_owners: Any, leaves: _Leaves, positions: list[int],
       row_param_positions=positions, state=state)
 
 
-def _narrow(state: Any, impl: str) -> Any:
+def _narrow(state: optax.OptState, impl: str) -> optax.OptState:
   """The tables an outer `lazy` handed over whole, as this `lazy`'s
   `impl=` narrows them (a `lazy` nested in another)."""
   if impl == 'auto':
@@ -505,14 +386,16 @@ def lazy(
   The state is `tx`'s own state, so `lazy(optax.adam(...))` and
   `optax.adam(...)` states are interchangeable.
 
+  `lazy` decides how each table's rows move and how each lazy_optax rule
+  inside `tx` updates them (the rules declare their state types,
+  `fused.declare`) before it traces `tx.update`, once. A rule gets its
+  tables whole in its state (`fused.TableRows`), whatever wrappers lie
+  between; a wrapper that rebuilds its state under a `lax.cond`
+  (`optax.apply_if_finite`) leaves it its arithmetic on the gathered rows.
   `tx.update` gets the caller's extra arguments and one more,
-  `lazy_optax_rows=`: the row blocks' context, through which lazy_optax's
-  rules inside `tx` find their tables and run the update `lazy` decided
-  for them. optax's wrappers forward it; a wrapper that drops extra
-  arguments (a plain `optax.GradientTransformation` around a rule) leaves
-  that rule its arithmetic on the gathered rows (`explain_update` says
-  so). A transformation of yours that takes `**extra_args` receives it
-  too, and should ignore it.
+  `lazy_optax_rows=` (the row ids, `row_context.Rows`): a transformation
+  of yours that takes `**extra_args` receives it too, and should ignore
+  it.
 
   Transformations that look across rows (global-norm clipping, for example)
   see the touched rows only; the unused padding slots hold zero gradients, so
@@ -533,9 +416,9 @@ def lazy(
       `'generic'` (XLA's ops only: no C++ call for the deduplication, the
       gathers, the write-back or the update's scatter-add) or
       `'cpu_kernel'` (an error where no kernel can run). A lazy_optax rule
-      inside `tx` whose own `impl=` is not `'auto'` decides for itself; an
-      `'xla'` or `'generic'` from either side keeps the table's row moves
-      off the C++ kernels. `explain_update` tells what each table got.
+      inside `tx` whose own `impl=` is not `'auto'` narrows that for its
+      tables (`'xla'` or `'generic'` replace its kernel); the row moves
+      follow this `impl=`. `explain_update` tells what each table got.
 
   Returns:
     An `optax.GradientTransformationExtraArgs` with `tx`'s state.

@@ -16,7 +16,10 @@ The state tables that a rule updates in place reach it in its state, as
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple, Optional
+from typing import Mapping, NamedTuple, Optional
+
+import jax
+import optax
 
 # The keyword under which `lazy(...)` hands its `Rows` to `tx.update`
 # (optax's extra arguments), and `explain_update` its log to `lazy`.
@@ -33,13 +36,13 @@ class Choice(NamedTuple):
 
 class TableIds(NamedTuple):
   """The distinct ids of one table's row blocks (unused slots `num_rows`)."""
-  ids: Any
+  ids: jax.Array
   num_rows: int
 
 
 class Rows(NamedTuple):
   """What `lazy(...)` tells `tx.update` about its row blocks (see module)."""
-  ids: Any = None
+  ids: Optional[optax.Updates] = None
   log: Optional[list[Choice]] = None
 
 

@@ -14,9 +14,10 @@ table) is refused with its path, since it cannot be updated row by row.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Callable, Hashable, Optional, Sequence
 
 import jax
+import optax
 
 from lazy_optax._src import tree_diff
 from lazy_optax._src.paths import path_name
@@ -24,7 +25,7 @@ from lazy_optax._src.paths import path_name
 _FIRST_PROBE = 1_000_003
 
 
-def _all_dims(tree: Any) -> set[int]:
+def _all_dims(tree: object) -> set[int]:
   dims: set[int] = set()
   for leaf in jax.tree.leaves(tree):
     dims.update(int(d) for d in getattr(leaf, 'shape', ()))
@@ -62,8 +63,9 @@ def _probe_shapes(
   return probe_shapes, probe_of
 
 
-def _check_structure(state: Any, probe: Any, state_def: Any,
-                     probe_def: Any) -> None:
+def _check_structure(state: optax.OptState, probe: optax.OptState,
+                     state_def: jax.tree_util.PyTreeDef,
+                     probe_def: jax.tree_util.PyTreeDef) -> None:
   """Refuses a state whose tree is not the one `init` gives."""
   if state_def != probe_def:
     difference = tree_diff.describe(
@@ -138,11 +140,11 @@ def _leaf_owner(where: str, shape: tuple[int, ...], probe: tuple[int, ...],
 
 
 def row_owners(
-    init_fn: Any,
+    init_fn: Callable[[optax.Params], optax.OptState],
     param_shapes: Sequence[jax.ShapeDtypeStruct],
-    rebuild_params: Any,
+    rebuild_params: Callable[..., optax.Params],
     row_param_positions: Sequence[int],
-    state: Any,
+    state: optax.OptState,
 ) -> list[Optional[int]]:
   """For each leaf of `state`, the parameter position whose rows it holds.
 
@@ -178,12 +180,12 @@ def row_owners(
           for (path, p), s in zip(probe_paths, state_leaves)]
 
 
-def leaf_signature(x: Any) -> tuple[Any, ...]:
+def leaf_signature(x: object) -> tuple[tuple[int, ...], str]:
   """A leaf's shape and dtype (its type where it has no dtype)."""
   return tuple(getattr(x, 'shape', ())), str(getattr(x, 'dtype', type(x)))
 
 
-def signature(tree: Any) -> tuple[Any, ...]:
+def signature(tree: object) -> tuple[Hashable, ...]:
   leaves, treedef = jax.tree.flatten(tree)
   return treedef, tuple(leaf_signature(x) for x in leaves)
 
@@ -197,13 +199,14 @@ class OwnerCache:
   signature.
   """
 
-  def __init__(self, init_fn: Any):
+  def __init__(self, init_fn: Callable[[optax.Params], optax.OptState]):
     self._init_fn = init_fn
-    self._known: dict[Any, list[Optional[int]]] = {}
+    self._known: dict[Hashable, list[Optional[int]]] = {}
 
   def __call__(self, *, param_shapes: Sequence[jax.ShapeDtypeStruct],
-               rebuild_params: Any, row_param_positions: Sequence[int],
-               state: Any) -> list[Optional[int]]:
+               rebuild_params: Callable[..., optax.Params],
+               row_param_positions: Sequence[int],
+               state: optax.OptState) -> list[Optional[int]]:
     key = (signature(rebuild_params(list(param_shapes))),
            tuple(row_param_positions), signature(state))
     owners = self._known.get(key)
