@@ -39,7 +39,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -547,9 +546,7 @@ ffi::Error AddStochastic(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
 //                (the field names are exported, and Python's record must
 //                list the same ones in the same order);
 //   kPerRow      one bool per state table: one value per row (else per
-//                entry), in the order Python passes the tables (a rule
-//                without state, such as a clip, declares none: it reads the
-//                gradient and parameter rows and writes the update rows);
+//                entry), in the order Python passes the tables;
 //   kInt32       (optional) one bool per state table: an int32 table (a
 //                counter, `Row<I32>`: exact integers), else float32 or
 //                bfloat16;
@@ -648,13 +645,6 @@ inline float SumOfSquares(const float* __restrict__ x, int64_t w) {
   return SumOfSquaresOf([x](int64_t k) { return x[k]; }, w);
 }
 
-// How many state tables `Rule` takes: its kPerRow's size, or none.
-template <typename Rule, typename = void>
-struct NumTables : std::integral_constant<size_t, 0> {};
-template <typename Rule>
-struct NumTables<Rule, std::void_t<decltype(Rule::kPerRow)>>
-    : std::integral_constant<size_t, sizeof(Rule::kPerRow) / sizeof(bool)> {};
-
 template <typename Rule, typename... S, size_t... I>
 void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
               int64_t rows, int64_t w, const typename Rule::Hyper& h,
@@ -736,24 +726,20 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   }
   std::array<ffi::DataType, kTables> types{};
   std::array<void*, kTables> data{};
-  // A rule without state computes every slot: its unused slots hold zero
-  // gradient and parameter rows.
-  int64_t rows = kTables ? -1 : std::numeric_limits<int64_t>::max();
-  if constexpr (kTables > 0) {
-    for (size_t i = 0; i < kTables; ++i) {
-      auto in = ins.get<ffi::AnyBuffer>(i);
-      auto out = outs.get<ffi::AnyBuffer>(i);
-      if (!in.has_value() || !out.has_value()) return fail("state tables");
-      const Shape2 t = AsRows(in->dimensions());
-      if (rows < 0) rows = t.rows;
-      if (t.rows != rows ||
-          t.width != (Rule::kPerRow[i] ? int64_t{1} : gs.width) ||
-          (*out)->element_type() != in->element_type()) {
-        return fail("state table shapes");
-      }
-      types[i] = in->element_type();
-      data[i] = InPlace(*in, *out);
+  int64_t rows = -1;
+  for (size_t i = 0; i < kTables; ++i) {
+    auto in = ins.get<ffi::AnyBuffer>(i);
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (!in.has_value() || !out.has_value()) return fail("state tables");
+    const Shape2 t = AsRows(in->dimensions());
+    if (rows < 0) rows = t.rows;
+    if (t.rows != rows ||
+        t.width != (Rule::kPerRow[i] ? int64_t{1} : gs.width) ||
+        (*out)->element_type() != in->element_type()) {
+      return fail("state table shapes");
     }
+    types[i] = in->element_type();
+    data[i] = InPlace(*in, *out);
   }
   auto run = [&](auto... s) {
     RuleRows<Rule, decltype(s)...>(
@@ -774,7 +760,7 @@ struct RuleKernel {
                          ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,
                          ffi::Result<ffi::Buffer<ffi::F32>> updates,
                          ffi::RemainingRets outs) {
-    constexpr size_t kTables = NumTables<Rule>::value;
+    constexpr size_t kTables = sizeof(Rule::kPerRow) / sizeof(bool);
     return RunRule<Rule>(name, pool, ids, g, hyper, params, ins, updates,
                          outs, std::make_index_sequence<kTables>());
   }
