@@ -239,8 +239,6 @@ def test_vmapped_over_an_ensemble_equals_the_generic_path():
 
 def _rules_with_kernels():
   from lazy_optax._src import adam  # pylint: disable=g-import-not-at-top
-  from lazy_optax._src import cowclip  # pylint: disable=g-import-not-at-top
-  from lazy_optax._src import row_max_norm  # pylint: disable=g-import-not-at-top
   from lazy_optax._src import ftrl  # pylint: disable=g-import-not-at-top
   from lazy_optax._src import partial_rowwise_adam  # pylint: disable=g-import-not-at-top
   from lazy_optax._src import rowwise_adagrad  # pylint: disable=g-import-not-at-top
@@ -261,10 +259,6 @@ def _rules_with_kernels():
        rowwise_rmsprop_ar.RowwiseRmspropArKernelHyper(
            lr=0.1, ar_alpha=0.5, ema_beta=0.9, one_minus_beta=0.1,
            min_shrinkage=0.1, eps=1e-8, step=jnp.int32(3))),
-      (cowclip._rule(),  # pylint: disable=protected-access
-       cowclip.CowClipKernelHyper(coef=1.0, lower_bound=1e-5)),
-      (row_max_norm._rule(),  # pylint: disable=protected-access
-       row_max_norm.RowMaxNormKernelHyper(max_norm=1.0)),
       (counter._rule(counter._Config(  # pylint: disable=protected-access
           eps=1e-8, decay_mode='adagradw', halflife=-1, adjustment_iter=-1,
           adjustment_ub=1.0, lr_mode='counter_sgd', tail_id_threshold=0.0,

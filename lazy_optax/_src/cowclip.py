@@ -45,9 +45,8 @@ from lazy_optax._src.sparse_rows import is_sparse_rows
 from lazy_optax._src.sparse_rows import SparseRows
 
 
-class CowClipKernelHyper(NamedTuple):
-  """CowClip's hyperparameters, for `step` and the kernel: rows.cc's
-  `COWCLIP_FIELDS`."""
+class CowClipHyper(NamedTuple):
+  """CowClip's hyperparameters, as `step` reads them."""
   coef: jax.typing.ArrayLike
   lower_bound: jax.typing.ArrayLike
 
@@ -55,7 +54,7 @@ class CowClipKernelHyper(NamedTuple):
 def _rule() -> fused.RowRule:
   """CowClip of the per-occurrence gradient, as a `RowRule` without state."""
 
-  def step(g, params, hyper: CowClipKernelHyper):
+  def step(g, params, hyper: CowClipHyper):
     dtype = compute_dtype(g.dtype)
     g = g.astype(dtype)
     w_norm = row_norms(jnp.asarray(params).astype(dtype))
@@ -66,9 +65,7 @@ def _rule() -> fused.RowRule:
     scale = jnp.where(over, t / jnp.where(over, norm, 1), 1)
     return g * broadcast_rows(scale, g)
 
-  return fused.stateless_rule(
-      'cowclip', step, 'LazyOptaxCowclip',
-      lambda hyper: hyper)  # the rule's record is the kernel's
+  return fused.stateless_rule('cowclip', step)
 
 
 def id_counts(ids: jax.Array, num_rows: int) -> SparseRows:
@@ -178,7 +175,7 @@ def _leaf_counts(g: jax.Array, c: Optional[SparseRows], where: str,
 
 
 def _clip_leaf(rule: fused.RowRule, g: jax.Array, p: jax.Array,
-               count: jax.Array, hyper: CowClipKernelHyper) -> jax.Array:
+               count: jax.Array, hyper: CowClipHyper) -> jax.Array:
   """The clipped gradient rows `g`, `count` occurrences each."""
   per_occurrence = g / broadcast_rows(jnp.maximum(count, 1), g).astype(
       g.dtype)
@@ -188,7 +185,7 @@ def _clip_leaf(rule: fused.RowRule, g: jax.Array, p: jax.Array,
 
 def _clip_tree(rule: fused.RowRule, updates: optax.Updates,
                params: optax.Params, counts: optax.Updates,
-               hyper: CowClipKernelHyper,
+               hyper: CowClipHyper,
                rows: Optional[row_context.Rows]) -> optax.Updates:
   """Every leaf with counts clipped, after one check of all their ids."""
   flat, treedef_ = jax.tree_util.tree_flatten_with_path(
@@ -231,8 +228,8 @@ def cowclip(
   module docstring). Place it first, inside `lazy(...)`, before any
   optimizer: `lazy(optax.chain(cowclip(), scale_by_lazy_adam(),
   optax.scale_by_learning_rate(lr)))`, or use `lazy_adam_cowclip`. Inside
-  `lazy` it reads only the batch's rows of the parameters; its update is
-  fused (a C++ kernel on CPU, see `lazy_optax.explain_update`).
+  `lazy` it reads only the batch's rows of the parameters, and XLA
+  computes the clip on them.
 
   Args:
     coef: the ratio `r` of the paper: how far a row may move, per
@@ -266,7 +263,7 @@ def cowclip(
                                              lower_bound=lower_bound))
   fused.unused_impl(impl, 'cowclip')
   rule = _rule()
-  hyper = CowClipKernelHyper(coef=coef, lower_bound=lower_bound)
+  hyper = CowClipHyper(coef=coef, lower_bound=lower_bound)
 
   def init_fn(params):
     del params

@@ -208,10 +208,7 @@ def stored_rows(tree: optax.Updates) -> optax.Updates:
       if isinstance(t, TableRows) else t, tree, is_leaf=is_table_rows)
 
 
-def stateless_rule(name: str, step: Callable[..., jax.Array],
-                   kernel: Optional[str] = None,
-                   kernel_hyper: Optional[Callable[..., Any]] = None
-                   ) -> RowRule:
+def stateless_rule(name: str, step: Callable[..., jax.Array]) -> RowRule:
   """A `RowRule` without state that reads the parameter rows (a clip).
 
   It has no tables for a kernel to update in place: XLA computes it on the
@@ -221,8 +218,6 @@ def stateless_rule(name: str, step: Callable[..., jax.Array],
     name: the rule's name, for messages.
     step: `(g, params, hyper) -> updates`: the update rows from the incoming
       update (or gradient) rows `g` and the parameter rows.
-    kernel: the CPU kernel's FFI target, kept for the kernel's own tests.
-    kernel_hyper: `hyper -> record`, the kernel's hyperparameter record.
 
   Returns:
     The `RowRule` (no tables, `needs_params=True`), for `apply_stateless`.
@@ -236,8 +231,7 @@ def stateless_rule(name: str, step: Callable[..., jax.Array],
     del stored
     return step(g, params, hyper)
 
-  return RowRule(name, new_rows, rule_step, (), kernel, kernel_hyper,
-                 needs_params=True)
+  return RowRule(name, new_rows, rule_step, (), needs_params=True)
 
 
 def apply_stateless(rule: RowRule, updates: Any, params: Any,

@@ -33,16 +33,15 @@ from lazy_optax._src.numerics import compute_dtype
 from lazy_optax._src.numerics import row_norms
 
 
-class RowMaxNormKernelHyper(NamedTuple):
-  """The rule's hyperparameter, for `step` and the kernel: rows.cc's
-  `ROW_MAX_NORM_FIELDS`."""
+class RowMaxNormHyper(NamedTuple):
+  """The rule's hyperparameter, as `step` reads it."""
   max_norm: jax.typing.ArrayLike
 
 
 def _rule() -> fused.RowRule:
   """Row max-norm of `params + updates`, as a `RowRule` without state."""
 
-  def step(g, params, hyper: RowMaxNormKernelHyper):
+  def step(g, params, hyper: RowMaxNormHyper):
     dtype = compute_dtype(g.dtype)
     u = g.astype(dtype)
     w = jnp.asarray(params).astype(dtype)
@@ -54,9 +53,7 @@ def _rule() -> fused.RowRule:
     clipped = new * broadcast_rows(scale, new) - w
     return jnp.where(broadcast_rows(over, u), clipped, u)
 
-  return fused.stateless_rule(
-      'row_max_norm', step, 'LazyOptaxRowMaxNorm',
-      lambda hyper: hyper)  # the rule's record is the kernel's
+  return fused.stateless_rule('row_max_norm', step)
 
 
 def row_max_norm(
@@ -69,8 +66,8 @@ def row_max_norm(
   Place it last in the chain, after the learning rate, inside `lazy(...)`:
   `lazy(optax.chain(scale_by_rowwise_adagrad(), optax.scale_by_learning_rate
   (lr), row_max_norm(1.0)))`. It works with any lazy optimizer (its update
-  rows and the parameter rows are all it reads) and is fused (a C++ kernel
-  on CPU). Every leaf it sees is treated as rows along its first axis: keep
+  rows and the parameter rows are all it reads); XLA computes it on those
+  rows. Every leaf it sees is treated as rows along its first axis: keep
   dense layers out with `optax.masked` or `optax.partition`.
 
   Args:
@@ -96,7 +93,7 @@ def row_max_norm(
   validate.hyperparameters('row_max_norm', positive=dict(max_norm=max_norm))
   fused.unused_impl(impl, 'row_max_norm')
   rule = _rule()
-  hyper = RowMaxNormKernelHyper(max_norm=max_norm)
+  hyper = RowMaxNormHyper(max_norm=max_norm)
 
   def init_fn(params):
     del params

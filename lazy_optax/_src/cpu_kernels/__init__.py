@@ -41,15 +41,11 @@ ENV_SWITCH = 'LAZY_OPTAX_CPU_KERNELS'
 # The rule kernels (rows.cc's LAZY_OPTAX_RULE), all called through `rule`.
 RULES = ('LazyOptaxAdam', 'LazyOptaxAmsgrad', 'LazyOptaxRowwiseAdagrad',
          'LazyOptaxPartialRowwiseAdam', 'LazyOptaxFtrl',
-         'LazyOptaxRowwiseRmspropAr', 'LazyOptaxRowwiseAdagradWithCounter',
-         'LazyOptaxCowclip', 'LazyOptaxRowMaxNorm')
-# The rule kernels with a split target (`<rule>Split`, `rule_split`).
-SPLIT_RULES = ('LazyOptaxRowwiseAdagradWithCounter',)
+         'LazyOptaxRowwiseRmspropAr', 'LazyOptaxRowwiseAdagradWithCounter')
 TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
            'LazyOptaxScatter', 'LazyOptaxScatterAdd',
-           'LazyOptaxAddStochastic', 'LazyOptaxAddRowMaxNorm',
-           'LazyOptaxAddLinear', 'LazyOptaxIdAssign',
-           'LazyOptaxIdFind') + RULES + tuple(f'{r}Split' for r in SPLIT_RULES)
+           'LazyOptaxAddStochastic', 'LazyOptaxIdAssign',
+           'LazyOptaxIdFind') + RULES
 # Storage dtypes the kernels read and write (tables, moments, accumulators).
 STORAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # The dtype of a rule's counter tables (its C++ `kInt32`), read exactly.
@@ -243,39 +239,6 @@ def add_stochastic(table: jax.Array, ids: jax.Array, rows: jax.Array,
               key_data.astype(jnp.uint32))
 
 
-def add_row_max_norm(table: jax.Array, ids: jax.Array, rows: jax.Array,
-                     hyper: jax.Array, update_dtype: Any) -> jax.Array:
-  """`table` plus, at distinct `ids`, the row max-norm update of `rows`.
-
-  The row max-norm kernel and the scatter-add of its update in one pass
-  (each parameter row read once), bit for bit as the two calls: `rows` are
-  the update rows before the clip, `hyper` the max-norm kernel's words
-  (`pack`), and the update is rounded to `update_dtype` (float32 or
-  bfloat16), then to the table's dtype, before it is added.
-  """
-  call = _call('LazyOptaxAddRowMaxNorm', _like(table), {0: 0})
-  return call(table, ids.astype(jnp.int32), rows.astype(jnp.float32),
-              hyper, round_bf16=int(jnp.dtype(update_dtype)
-                                    == jnp.dtype(jnp.bfloat16)))
-
-
-def add_linear(table: jax.Array, ids: jax.Array, base: jax.Array,
-               keep: jax.Array, update_dtype: Any) -> jax.Array:
-  """`table` plus, at distinct `ids`, the update `base + keep * table[ids]`.
-
-  A split rule's update (`rule_split`) added in one pass (each parameter
-  row read once), bit for bit as the update rows `base + keep[:, None] *
-  rows` computed by XLA (float32, no multiply-add), rounded to
-  `update_dtype` (float32 or bfloat16), then to the table's dtype, and
-  scatter-added.
-  """
-  call = _call('LazyOptaxAddLinear', _like(table), {0: 0})
-  return call(table, ids.astype(jnp.int32), base.astype(jnp.float32),
-              keep.astype(jnp.float32),
-              round_bf16=int(jnp.dtype(update_dtype)
-                             == jnp.dtype(jnp.bfloat16)))
-
-
 def fields(target: str) -> tuple[str, ...]:
   """The hyperparameter fields of rule kernel `target`, in the library's
   order (its `Hyper` struct in rows.cc).
@@ -363,37 +326,3 @@ def rule(target: str, ids: jax.Array, grads: jax.Array, hyper: jax.Array,
              params.astype(jnp.float32), *tables)
   return tuple(out[1:]), out[0]
 
-
-def rule_split(target: str, ids: jax.Array, grads: jax.Array,
-               hyper: jax.Array, tables: tuple[jax.Array, ...]
-               ) -> tuple[tuple[jax.Array, ...], jax.Array, jax.Array]:
-  """Runs rule kernel `target`'s split target: `rule` without the weights.
-
-  For a rule whose state does not read the parameter rows and whose update
-  is linear in them (`SPLIT_RULES`, in a configuration its kernel accepts):
-  the update is `base + keep[:, None] * params`.
-
-  Args:
-    target: one of `SPLIT_RULES`.
-    ids: the distinct int ids `[N]`.
-    grads: the gradient rows `[N, ...]`.
-    hyper: `pack(target, record)`.
-    tables: the rule's state tables, as for `rule`.
-
-  Returns:
-    `(new tables, base, keep)`: the tables (aliased to the inputs), the
-    float32 rows `base` (shaped as `grads`) and the float32 per-row factors
-    `keep` `[N]` (zeros for ids that name no row).
-  """
-  if target not in SPLIT_RULES:
-    raise ValueError(f'rule_split: target must be one of {SPLIT_RULES}, '
-                     f'got {target!r}.')
-  n = grads.shape[0]
-  call = _call(
-      f'{target}Split', (jax.ShapeDtypeStruct(grads.shape, jnp.float32),
-                         jax.ShapeDtypeStruct((n,), jnp.float32))
-      + tuple(_like(t) for t in tables),
-      {3 + k: 2 + k for k in range(len(tables))})
-  out = call(ids.astype(jnp.int32), grads.astype(jnp.float32), hyper,
-             *tables)
-  return tuple(out[2:]), out[0], out[1]

@@ -32,14 +32,6 @@
 //                           (FBGEMM's ROWWISE_RMSPROP_AR)
 //   LazyOptaxRowwiseAdagradWithCounter  row-wise Adagrad with per-row counters
 //                           (FBGEMM's COUNTER weight-decay mode, AdagradW)
-//   LazyOptaxCowclip        CowClip's clip of a row's gradient (no state)
-//   LazyOptaxRowMaxNorm     a written row kept within max_norm (no state)
-//   LazyOptaxAddRowMaxNorm  table[ids] += the max-norm update of rows, in
-//                           place: the rule and the scatter-add in one pass
-//   LazyOptaxRowwiseAdagradWithCounterSplit  the counter rule's state update,
-//                           its update returned as base + keep * w (below)
-//   LazyOptaxAddLinear      table[ids] += base + keep * table[ids], in place:
-//                           a split rule's update added in one pass
 
 #include <algorithm>
 #include <array>
@@ -47,7 +39,6 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <limits>
 #include <memory>
 #include <string>
 #include <thread>
@@ -555,9 +546,7 @@ ffi::Error AddStochastic(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
 //                (the field names are exported, and Python's record must
 //                list the same ones in the same order);
 //   kPerRow      one bool per state table: one value per row (else per
-//                entry), in the order Python passes the tables (a rule
-//                without state, such as a clip, declares none: it reads the
-//                gradient and parameter rows and writes the update rows);
+//                entry), in the order Python passes the tables;
 //   kInt32       (optional) one bool per state table: an int32 table (a
 //                counter, `Row<I32>`: exact integers), else float32 or
 //                bfloat16;
@@ -623,17 +612,13 @@ struct Int32Tables<Rule, std::void_t<decltype(Rule::kInt32)>> {
 };
 
 // The slot's own rows: gradient, parameters (or the gradient) and update,
-// their width and its inverse (for means over a row). Called by a rule's
-// split target (`keep` set, `p` null), a rule whose update is linear in the
-// parameter row w writes the part that does not read w to `u` and the
-// row's factor of w to `*keep`: the update is `u[k] + *keep * w[k]`.
+// their width and its inverse (for means over a row).
 struct RowIo {
   const float* __restrict__ g;
   const float* __restrict__ p;
   float* __restrict__ u;
   int64_t w;
   float inv_w;
-  float* __restrict__ keep;
 };
 
 // The sum of x(k)^2 over a row, in 8 running sums (so that it vectorizes).
@@ -660,30 +645,10 @@ inline float SumOfSquares(const float* __restrict__ x, int64_t w) {
   return SumOfSquaresOf([x](int64_t k) { return x[k]; }, w);
 }
 
-// How many state tables `Rule` takes: its kPerRow's size, or none.
-template <typename Rule, typename = void>
-struct NumTables : std::integral_constant<size_t, 0> {};
-template <typename Rule>
-struct NumTables<Rule, std::void_t<decltype(Rule::kPerRow)>>
-    : std::integral_constant<size_t, sizeof(Rule::kPerRow) / sizeof(bool)> {};
-
-// Whether `Rule` has a split target (see RowIo): it declares
-// `static bool Splits(const Hyper&)`, true where its state does not read
-// the parameter rows and its update is linear in them.
-template <typename Rule, typename = void>
-struct SplitsParams {
-  static bool For(const typename Rule::Hyper&) { return false; }
-};
-template <typename Rule>
-struct SplitsParams<Rule, std::void_t<decltype(Rule::Splits)>> {
-  static bool For(const typename Rule::Hyper& h) { return Rule::Splits(h); }
-};
-
-// `params` is null and `keep` [N] set for a rule's split target.
 template <typename Rule, typename... S, size_t... I>
 void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
               int64_t rows, int64_t w, const typename Rule::Hyper& h,
-              const float* g, const float* params, float* out, float* keep,
+              const float* g, const float* params, float* out,
               std::index_sequence<I...>, typename S::T*... tables) {
   // Values per table row: one (per row) or w (per entry).
   const std::array<int64_t, sizeof...(I)> width = {
@@ -700,15 +665,13 @@ void RuleRows(ffi::ThreadPool& pool, const int32_t* ids, int64_t n,
       const int64_t r = ids[s];
       if (!Named(ids[s], rows)) continue;
       Rule::Row(h,
-                RowIo{g + s * w, params ? params + s * w : nullptr,
-                      out + s * w, w, inv_w, keep ? keep + s : nullptr},
+                RowIo{g + s * w, params + s * w, out + s * w, w, inv_w},
                 Row<S>{tables + r * width[I]}...);
     }
   });
   for (int64_t s = 0; s < n; ++s) {  // slots whose id names no row
     if (Named(ids[s], rows)) continue;
     std::memset(out + s * w, 0, w * sizeof(float));
-    if (keep) keep[s] = 0.0f;
   }
 }
 
@@ -734,18 +697,11 @@ ffi::Error WithStorages(const char* name, const ffi::DataType* types, Fn& fn,
   }
 }
 
-// The parameter rows a rule kernel reads, or (its split target) the
-// per-row factors of them it writes.
-struct ParamRows {
-  const float* params;  // [N, W], or null
-  float* keep;          // [N], or null
-  size_t values;        // the element count of the one given
-};
-
 template <typename Rule, size_t... I>
 ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
                    ffi::Buffer<ffi::S32>& ids, ffi::Buffer<ffi::F32>& g,
-                   ffi::Buffer<ffi::U32>& hyper, ParamRows pr,
+                   ffi::Buffer<ffi::U32>& hyper,
+                   ffi::Buffer<ffi::F32>& params,
                    ffi::RemainingArgs& ins,
                    ffi::Result<ffi::Buffer<ffi::F32>>& updates,
                    ffi::RemainingRets& outs, std::index_sequence<I...> seq) {
@@ -756,7 +712,7 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   const Shape2 gs = AsRows(g.dimensions());
   const int64_t n = static_cast<int64_t>(ids.element_count());
   if (gs.rows != n || updates->element_count() != g.element_count() ||
-      pr.values != (pr.keep ? static_cast<size_t>(n) : g.element_count())) {
+      params.element_count() != g.element_count()) {
     return fail("gradient, parameter and update shapes");
   }
   if (hyper.element_count() * sizeof(uint32_t) !=
@@ -765,37 +721,30 @@ ffi::Error RunRule(const char* name, ffi::ThreadPool& pool,
   }
   typename Rule::Hyper h;
   std::memcpy(&h, hyper.typed_data(), sizeof(h));
-  if (pr.keep && !SplitsParams<Rule>::For(h)) {
-    return fail("split, for a configuration whose state reads the weights");
-  }
   if (ins.size() != kTables || outs.size() != kTables) {
     return fail("state tables (a wrong count)");
   }
   std::array<ffi::DataType, kTables> types{};
   std::array<void*, kTables> data{};
-  // A rule without state computes every slot: its unused slots hold zero
-  // gradient and parameter rows.
-  int64_t rows = kTables ? -1 : std::numeric_limits<int64_t>::max();
-  if constexpr (kTables > 0) {
-    for (size_t i = 0; i < kTables; ++i) {
-      auto in = ins.get<ffi::AnyBuffer>(i);
-      auto out = outs.get<ffi::AnyBuffer>(i);
-      if (!in.has_value() || !out.has_value()) return fail("state tables");
-      const Shape2 t = AsRows(in->dimensions());
-      if (rows < 0) rows = t.rows;
-      if (t.rows != rows ||
-          t.width != (Rule::kPerRow[i] ? int64_t{1} : gs.width) ||
-          (*out)->element_type() != in->element_type()) {
-        return fail("state table shapes");
-      }
-      types[i] = in->element_type();
-      data[i] = InPlace(*in, *out);
+  int64_t rows = -1;
+  for (size_t i = 0; i < kTables; ++i) {
+    auto in = ins.get<ffi::AnyBuffer>(i);
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (!in.has_value() || !out.has_value()) return fail("state tables");
+    const Shape2 t = AsRows(in->dimensions());
+    if (rows < 0) rows = t.rows;
+    if (t.rows != rows ||
+        t.width != (Rule::kPerRow[i] ? int64_t{1} : gs.width) ||
+        (*out)->element_type() != in->element_type()) {
+      return fail("state table shapes");
     }
+    types[i] = in->element_type();
+    data[i] = InPlace(*in, *out);
   }
   auto run = [&](auto... s) {
     RuleRows<Rule, decltype(s)...>(
         pool, ids.typed_data(), n, rows, gs.width, h, g.typed_data(),
-        pr.params, updates->typed_data(), pr.keep, seq,
+        params.typed_data(), updates->typed_data(), seq,
         static_cast<typename decltype(s)::T*>(data[I])...);
     return ffi::Error::Success();
   };
@@ -811,24 +760,9 @@ struct RuleKernel {
                          ffi::Buffer<ffi::F32> params, ffi::RemainingArgs ins,
                          ffi::Result<ffi::Buffer<ffi::F32>> updates,
                          ffi::RemainingRets outs) {
-    constexpr size_t kTables = NumTables<Rule>::value;
-    return RunRule<Rule>(
-        name, pool, ids, g, hyper,
-        ParamRows{params.typed_data(), nullptr, params.element_count()}, ins,
-        updates, outs, std::make_index_sequence<kTables>());
-  }
-  // The split target: no parameter rows in, their factors `keep` out.
-  static ffi::Error Split(const char* name, ffi::ThreadPool pool,
-                          ffi::Buffer<ffi::S32> ids, ffi::Buffer<ffi::F32> g,
-                          ffi::Buffer<ffi::U32> hyper, ffi::RemainingArgs ins,
-                          ffi::Result<ffi::Buffer<ffi::F32>> updates,
-                          ffi::Result<ffi::Buffer<ffi::F32>> keep,
-                          ffi::RemainingRets outs) {
-    constexpr size_t kTables = NumTables<Rule>::value;
-    return RunRule<Rule>(
-        name, pool, ids, g, hyper,
-        ParamRows{nullptr, keep->typed_data(), keep->element_count()}, ins,
-        updates, outs, std::make_index_sequence<kTables>());
+    constexpr size_t kTables = sizeof(Rule::kPerRow) / sizeof(bool);
+    return RunRule<Rule>(name, pool, ids, g, hyper, params, ins, updates,
+                         outs, std::make_index_sequence<kTables>());
   }
 };
 
@@ -992,172 +926,6 @@ struct RowwiseRmspropArRule {
   }
 };
 
-// CowClip (Zheng et al., AAAI 2023), per row, on the gradient g' = g / c
-// (the caller divides by the row's count c and multiplies the result by c):
-//   t = max(coef ||w||, lower_bound);  update = g' min(1, t / ||g'||),
-// so that the summed gradient is clipped to c max(coef ||w||, lower_bound).
-#define COWCLIP_FIELDS(F) F(coef) F(lower_bound)
-
-struct CowclipRule {
-  LAZY_OPTAX_HYPER(COWCLIP_FIELDS)
-  __attribute__((always_inline)) static void Row(const Hyper& h,
-                                                 const RowIo& io) {
-    const float t = std::max(h.coef * std::sqrt(SumOfSquares(io.p, io.w)),
-                             h.lower_bound);
-    const float norm = std::sqrt(SumOfSquares(io.g, io.w));
-    const float scale = norm > t ? t / norm : 1.0f;
-    for (int64_t k = 0; k < io.w; ++k) io.u[k] = io.g[k] * scale;
-  }
-};
-
-// Row max-norm at update time (FBGEMM's max_norm), per row: the new row
-// w + u is scaled back to norm max_norm where it is longer;
-//   update = (w + u) min(1, max_norm / ||w + u||) - w.
-#define ROW_MAX_NORM_FIELDS(F) F(max_norm)
-
-struct RowMaxNormRule {
-  LAZY_OPTAX_HYPER(ROW_MAX_NORM_FIELDS)
-  __attribute__((always_inline)) static void Row(const Hyper& h,
-                                                 const RowIo& io) {
-    for (int64_t k = 0; k < io.w; ++k) io.u[k] = io.p[k] + io.g[k];
-    const float norm = std::sqrt(SumOfSquares(io.u, io.w));
-    if (!(norm > h.max_norm)) {
-      for (int64_t k = 0; k < io.w; ++k) io.u[k] = io.g[k];
-      return;
-    }
-    const float scale = h.max_norm / norm;
-    for (int64_t k = 0; k < io.w; ++k) io.u[k] = io.u[k] * scale - io.p[k];
-  }
-};
-
-// The scatter-add of the row max-norm update, fused: for distinct ids, each
-// row w gets w + u, u = RowMaxNormRule's update of the pre-clip rows g
-// (the same float32 operations in the same order), rounded as the unfused
-// path rounds it (to bfloat16 where the update is bfloat16, `round_bf16`,
-// then to the table's dtype), so that the table comes out bit for bit as
-// LazyOptaxRowMaxNorm then LazyOptaxScatterAdd leave it, each parameter row
-// read once. One thread, as LazyOptaxScatterAdd.
-ffi::Error AddRowMaxNorm(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
-                         ffi::Buffer<ffi::F32> rows,
-                         ffi::Buffer<ffi::U32> hyper, int64_t round_bf16,
-                         ffi::Result<ffi::AnyBuffer> out) {
-  const Shape2 t = AsRows(table.dimensions());
-  const int64_t n = static_cast<int64_t>(ids.element_count());
-  const int64_t w = t.width;
-  RowMaxNormRule::Hyper h;
-  if (static_cast<int64_t>(rows.element_count()) != n * w ||
-      hyper.element_count() * sizeof(uint32_t) != sizeof(h)) {
-    return ffi::Error::InvalidArgument("LazyOptaxAddRowMaxNorm: operands");
-  }
-  std::memcpy(&h, hyper.typed_data(), sizeof(h));
-  void* dst = InPlace(table, out);
-  const int32_t* id = ids.typed_data();
-  return WithStorage(table.element_type(), [&](auto storage) {
-    using S = decltype(storage);
-    using T = typename S::T;
-    T* base = static_cast<T*>(dst);
-    const int64_t row_bytes = w * static_cast<int64_t>(sizeof(T));
-    // The update as the unfused path stores it, then reads it back.
-    auto rounded = [round_bf16](float u) {
-      return S::Rounded(round_bf16 ? BF16::Rounded(u) : u);
-    };
-    for (int64_t s = 0; s < n; ++s) {
-      if (s + kPrefetchAhead < n && Named(id[s + kPrefetchAhead], t.rows)) {
-        Prefetch(base, id[s + kPrefetchAhead], row_bytes, true);
-      }
-      if (!Named(id[s], t.rows)) continue;
-      T* row = base + static_cast<int64_t>(id[s]) * w;
-      const float* g = rows.typed_data() + s * w;
-      // RowMaxNormRule: norm of w + g; the update g where it is short
-      // enough, else (w + g) max_norm / norm - w.
-      const float norm = std::sqrt(SumOfSquaresOf(
-          [&](int64_t k) { return S::Load(row + k) + g[k]; }, w));
-      if (!(norm > h.max_norm)) {
-        for (int64_t k = 0; k < w; ++k) {
-          S::Store(row + k, S::Load(row + k) + rounded(g[k]));
-        }
-        continue;
-      }
-      const float scale = h.max_norm / norm;
-      for (int64_t k = 0; k < w; ++k) {
-        const float p = S::Load(row + k);
-        const float v = p + g[k];
-        S::Store(row + k, p + rounded(v * scale - p));
-      }
-    }
-    return ffi::Error::Success();
-  });
-}
-
-// base + keep * p in two float32 roundings, never one multiply-add, as XLA
-// computes a split rule's update rows (so that the two paths agree bit for
-// bit).
-#if defined(__clang__)
-#define LAZY_OPTAX_NO_CONTRACT
-#define LAZY_OPTAX_NO_CONTRACT_BODY _Pragma("clang fp contract(off)")
-#else
-#define LAZY_OPTAX_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
-#define LAZY_OPTAX_NO_CONTRACT_BODY
-#endif
-
-template <typename S>
-LAZY_OPTAX_NO_CONTRACT void AddLinearRows(typename S::T* base,
-                                          int64_t table_rows, int64_t w,
-                                          const int32_t* id, int64_t n,
-                                          const float* u, const float* keep,
-                                          bool round_bf16) {
-  LAZY_OPTAX_NO_CONTRACT_BODY
-  using T = typename S::T;
-  const int64_t row_bytes = w * static_cast<int64_t>(sizeof(T));
-  for (int64_t s = 0; s < n; ++s) {
-    if (s + kPrefetchAhead < n && Named(id[s + kPrefetchAhead], table_rows)) {
-      Prefetch(base, id[s + kPrefetchAhead], row_bytes, true);
-    }
-    if (!Named(id[s], table_rows)) continue;
-    T* row = base + static_cast<int64_t>(id[s]) * w;
-    const float* us = u + s * w;
-    const float ks = keep[s];
-    if (round_bf16) {
-      for (int64_t k = 0; k < w; ++k) {
-        const float p = S::Load(row + k);
-        const float scaled = ks * p;
-        S::Store(row + k, p + S::Rounded(BF16::Rounded(us[k] + scaled)));
-      }
-    } else {
-      for (int64_t k = 0; k < w; ++k) {
-        const float p = S::Load(row + k);
-        const float scaled = ks * p;
-        S::Store(row + k, p + S::Rounded(us[k] + scaled));
-      }
-    }
-  }
-}
-
-// The scatter-add of a split rule's update, fused: for distinct ids, each
-// row w gets w + (u + keep w), the update rounded as the unfused path
-// rounds it (to bfloat16 where the update is bfloat16, `round_bf16`, then
-// to the table's dtype), bit for bit as the update rows computed by XLA
-// then LazyOptaxScatterAdd, each parameter row read once. One thread, as
-// LazyOptaxScatterAdd.
-ffi::Error AddLinear(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
-                     ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::F32> keep,
-                     int64_t round_bf16, ffi::Result<ffi::AnyBuffer> out) {
-  const Shape2 t = AsRows(table.dimensions());
-  const int64_t n = static_cast<int64_t>(ids.element_count());
-  if (static_cast<int64_t>(rows.element_count()) != n * t.width ||
-      static_cast<int64_t>(keep.element_count()) != n) {
-    return ffi::Error::InvalidArgument("LazyOptaxAddLinear: operands");
-  }
-  void* dst = InPlace(table, out);
-  return WithStorage(table.element_type(), [&](auto storage) {
-    using S = decltype(storage);
-    AddLinearRows<S>(static_cast<typename S::T*>(dst), t.rows, t.width,
-                     ids.typed_data(), n, rows.typed_data(), keep.typed_data(),
-                     round_bf16 != 0);
-    return ffi::Error::Success();
-  });
-}
-
 // Row-wise Adagrad with per-row counters (FBGEMM's EXACT_ROWWISE_ADAGRAD
 // with WeightDecayMode.COUNTER), per row, with `step` the global step (from
 // 1), `prev` the step of the row's last update (0: never) and
@@ -1167,8 +935,6 @@ ffi::Error AddLinear(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
 //   adj = m adjusted by the learning-rate mode (c > threshold), corr the
 //   decay (AdagradW: (1 - wd lr)^min(d, cap), adj times (1 - wd lr)^(.. - 1))
 //   update = (corr - 1) w - adj g;  prev = step
-// Its split target (the state reads no weights but in L2 mode) returns
-// base = -adj g and keep = corr - 1: update = base + keep w.
 // `enabled` (0 or 1) is FBGEMM's `iter > adjustment_iter`; the modes are
 // codes: decay_mode 0 none, 1 L2, 2 decoupled, 3 AdagradW; lr_mode -1
 // equal, 0 tail-id increase, 1 tail-id decrease, 2 counter SGD.
@@ -1182,8 +948,6 @@ struct RowwiseAdagradCounterRule {
   // sum_of_squares, row_counter, last_step
   static constexpr bool kPerRow[] = {true, true, true};
   static constexpr bool kInt32[] = {false, false, true};
-
-  static bool Splits(const Hyper& h) { return h.decay_mode != 1.0f; }
 
   static float Counter(const Hyper& h, float c, float d) {
     if (h.halflife > 0.0f) return 1.0f + std::exp(-d * h.log_rho) * c;
@@ -1235,8 +999,7 @@ struct RowwiseAdagradCounterRule {
         corr = 1.0f - freq * h.wd * (h.decay_mode == 2.0f ? h.lr : m);
       }
     }
-    if (io.keep != nullptr) *io.keep = h.decay_mode == 0.0f ? 0.0f : corr - 1.0f;
-    if (h.decay_mode == 0.0f || io.keep != nullptr) {  // the weights unread
+    if (h.decay_mode == 0.0f) {  // the weights unread
       for (int64_t k = 0; k < w; ++k) io.u[k] = -adj * io.g[k];
     } else {
       const float keep = corr - 1.0f;
@@ -1324,49 +1087,3 @@ LAZY_OPTAX_RULE(LazyOptaxPartialRowwiseAdam, PartialRowwiseAdamRule)
 LAZY_OPTAX_RULE(LazyOptaxFtrl, FtrlRule)
 LAZY_OPTAX_RULE(LazyOptaxRowwiseRmspropAr, RowwiseRmspropArRule)
 LAZY_OPTAX_RULE(LazyOptaxRowwiseAdagradWithCounter, RowwiseAdagradCounterRule)
-LAZY_OPTAX_RULE(LazyOptaxCowclip, CowclipRule)
-LAZY_OPTAX_RULE(LazyOptaxRowMaxNorm, RowMaxNormRule)
-
-// A rule's split target, `Symbol` + "Split" (see RowIo): the rule's
-// operands but the parameter rows; returns the update's base rows, then the
-// per-row factors `keep` [N], then the tables.
-#define LAZY_OPTAX_SPLIT_RULE(Symbol, Rule)                                 \
-  static ffi::Error Symbol##SplitImpl(                                      \
-      ffi::ThreadPool pool, ffi::Buffer<ffi::S32> ids,                      \
-      ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::U32> hyper,                 \
-      ffi::RemainingArgs ins, ffi::Result<ffi::Buffer<ffi::F32>> updates,   \
-      ffi::Result<ffi::Buffer<ffi::F32>> keep, ffi::RemainingRets outs) {   \
-    return RuleKernel<Rule>::Split(#Symbol "Split", pool, ids, g, hyper, ins, \
-                                   updates, keep, outs);                    \
-  }                                                                         \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(Symbol##Split, Symbol##SplitImpl,           \
-                                ffi::Ffi::Bind()                            \
-                                    .Ctx<ffi::ThreadPool>()                 \
-                                    .Arg<ffi::Buffer<ffi::S32>>()           \
-                                    .Arg<ffi::Buffer<ffi::F32>>()           \
-                                    .Arg<ffi::Buffer<ffi::U32>>()           \
-                                    .RemainingArgs()                        \
-                                    .Ret<ffi::Buffer<ffi::F32>>()           \
-                                    .Ret<ffi::Buffer<ffi::F32>>()           \
-                                    .RemainingRets());
-
-LAZY_OPTAX_SPLIT_RULE(LazyOptaxRowwiseAdagradWithCounter,
-                      RowwiseAdagradCounterRule)
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddRowMaxNorm, AddRowMaxNorm,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
-                                  .Attr<int64_t>("round_bf16")
-                                  .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddLinear, AddLinear,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("round_bf16")
-                                  .Ret<ffi::AnyBuffer>());
