@@ -63,8 +63,10 @@ def _collection_step(n_tables):
     updates, state = tx.update(grads, state, params)
     return lazy_optax.apply_updates(params, updates), state, value
 
-  params = {'emb': coll.init(jax.random.key(0)), 'mlp': _mlp(n_tables)}
-  return step, params, tx.init(params)
+  def init():
+    params = {'emb': coll.init(jax.random.key(0)), 'mlp': _mlp(n_tables)}
+    return params, tx.init(params)
+  return step, init
 
 
 def _separate_step(n_tables):
@@ -78,13 +80,18 @@ def _separate_step(n_tables):
     updates, state = tx.update(grads, state, params)
     return lazy_optax.apply_updates(params, updates), state, value
 
-  params = {'emb': [jnp.zeros((10 + 3 * i, WIDTH)) for i in range(n_tables)],
-            'mlp': _mlp(n_tables)}
-  return step, params, tx.init(params)
+  def init():
+    params = {'emb': [jnp.zeros((10 + 3 * i, WIDTH)) for i in range(n_tables)],
+              'mlp': _mlp(n_tables)}
+    return params, tx.init(params)
+  return step, init
 
 
 def _counts(make, n_tables):
-  step, params, state = make(n_tables)
+  # Exported from the shapes alone: making the tables and the optimizer's
+  # state would compile an eager program for every table's shape.
+  step, init = make(n_tables)
+  params, state = jax.eval_shape(init)
   args = (params, state, jnp.zeros((BATCH, n_tables), jnp.int32),
           jnp.zeros((BATCH, DENSE), jnp.float32), jnp.zeros(BATCH))
   exported = jax.export.export(jax.jit(step, donate_argnums=(0, 1)),

@@ -82,8 +82,10 @@ def _train(models, batches, apply=None):
       out.append((apply(p, updates, t), state, value))
     return tuple(zip(*out))
 
-  params = [p for _, p, _ in models]
-  states = [tx.init(p) for tx, p, _ in models]
+  # Tuples, as the step returns them: a list would trace and compile the
+  # step a second time at the second call (another pytree).
+  params = tuple(p for _, p, _ in models)
+  states = tuple(tx.init(p) for tx, p, _ in models)
   losses = []
   for t, ids in enumerate(batches):
     params, states, values = step(params, states, ids, t)

@@ -114,8 +114,10 @@ def _train(models):
       out.append((lazy_optax.apply_updates(p, updates), state, value))
     return tuple(zip(*out))
 
-  params = [p for _, p, _ in models]
-  states = [tx.init(p) for tx, p, _ in models]
+  # Tuples, as the step returns them: a list would trace and compile the
+  # step a second time at the second call (another pytree).
+  params = tuple(p for _, p, _ in models)
+  states = tuple(tx.init(p) for tx, p, _ in models)
   losses = []
   for ids, lengths in _batches():
     params, states, values = step(params, states, ids, lengths)

@@ -2,11 +2,9 @@
 
 import collections
 import functools
-import os
-import subprocess
-import sys
 import textwrap
 
+import fork_server
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -158,7 +156,7 @@ def test_empty_batch_and_traced_hyperparameters():
 
 
 _SCRIPT = textwrap.dedent('''
-    import sys
+    import os
     import jax, jax.numpy as jnp, numpy as np
     import lazy_optax
     from lazy_optax._src import cpu_kernels
@@ -177,19 +175,26 @@ _SCRIPT = textwrap.dedent('''
       params, state = step(params, state, ids, vals)
     hlo = jax.jit(step).lower(params, state, ids, vals).as_text()
     print(cpu_kernels.loaded(), 'lazy_optax_LazyOptax' in hlo)
-    np.save(sys.argv[1], np.asarray(params['table']))
+    np.save(os.environ['TABLE_OUT'], np.asarray(params['table']))
 ''')
 
 
+# The modules the forking process imports (the server tests/test_id_safety.py
+# and tests/test_kernel_cache.py start, shared within a pytest process).
+_PRELOADED = ('numpy', 'jax', 'jax.numpy', 'optax', 'lazy_optax')
+
+
 def test_switched_off_by_environment_gives_the_same_table(tmp_path):
+  # Each in a fresh process (forked from one that imported jax and
+  # lazy_optax and loaded no kernel: tests/fork_server.py), which reads the
+  # switch when its first init loads the kernels.
   out = {}
   for switch in ('1', '0'):
-    env = dict(os.environ, LAZY_OPTAX_CPU_KERNELS=switch,
-               JAX_PLATFORMS='cpu')
     path = tmp_path / f'table_{switch}.npy'
-    done = subprocess.run([sys.executable, '-c', _SCRIPT, str(path)],
-                          env=env, capture_output=True, text=True,
-                          timeout=300, check=True)
+    (done,) = fork_server.run_scripts(
+        [_SCRIPT], {'LAZY_OPTAX_CPU_KERNELS': switch, 'TABLE_OUT': str(path)},
+        preloaded=_PRELOADED)
+    assert done.returncode == 0, done.stderr
     out[switch] = (done.stdout.split()[-2:], np.load(path))
   assert out['1'][0] == ['True', 'True']
   assert out['0'][0] == ['False', 'False']
