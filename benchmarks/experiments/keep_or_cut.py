@@ -1,4 +1,4 @@
-"""Three CPU paths against their plain alternatives: keep or cut by measurement.
+"""The C++ `IdTable.assign` against XLA's: keep or cut by measurement.
 
     taskset -c 0 python3 -m benchmarks.experiments.keep_or_cut
     taskset -c 0 python3 -m benchmarks.experiments.keep_or_cut --only assign
@@ -20,18 +20,11 @@ loaded (`python3 -m lazy_optax.build_kernels`).
   x 64 floats, 4,096 Zipf ids a step (exponent 1.05) from 10**7, the table
   filled for `--fill` steps first; both runs start from the same state and
   must end with equal id states.
-- `adagradw`: `rowwise_adagrad_with_counter(counter_weight_decay_mode=
-  'adagradw')` on the single table (1,000,000 x 64, 4,096 Zipf ids): its
-  split kernel (`cpu_kernels.rule_split`, then `add_linear` where
-  `apply_updates` adds the update: the `FusedAdd`) against the same rule
-  with `split_params=False` (the rule kernel reads the parameter rows, the
-  update is scatter-added).
-- `max_norm`: `lazy(chain(scale_by_rowwise_adagrad(), scale_by_learning_rate,
-  row_max_norm(0.05)))` on the single table: its `fused_add` kernel (the
-  clip and the add in one pass) against the same rule with `fused_add=None`.
-
-The patched rules are built by the modules' own `_rule` with one field
-replaced, so everything else in the two steps is the same code.
+- `adagradw` and `max_norm` (AdagradW's split kernel with its fused add in
+  `apply_updates`, and row max-norm's fused add, against the same rules
+  without them) measured 1.00x and 1.04x; both paths were then removed.
+  Their pairs are in this script as of commit a37810b
+  (`git show a37810b:benchmarks/experiments/keep_or_cut.py`).
 """
 
 from __future__ import annotations
@@ -44,12 +37,11 @@ import time
 
 import numpy as np
 
-from benchmarks.common import make_batches
 from benchmarks.common import TARGET
 from benchmarks.experiments.hashed_table import hashed_train_step
 from benchmarks.experiments.hashed_table import zipf_stream
 
-PAIRS = ('assign', 'adagradw', 'max_norm')
+PAIRS = ('assign',)
 
 
 @contextlib.contextmanager
@@ -62,14 +54,6 @@ def patched(module_name: str, name: str, value):
     yield
   finally:
     setattr(module, name, old)
-
-
-def rule_with(module_name: str, **fields):
-  """The module's `_rule` with `fields` replaced in the `RowRule` it builds."""
-  module = importlib.import_module(module_name)
-  original = module._rule  # pylint: disable=protected-access
-  return patched(module_name, '_rule',
-                 lambda *a: original(*a)._replace(**fields))
 
 
 def interleave(runs: dict, rounds: int, steps: int) -> dict:
@@ -169,56 +153,6 @@ def assign_pair(args) -> dict:
                 times, 'C++ assign', 'XLA assign')
 
 
-def single_table_pair(args, title: str, make_tx, module_name: str,
-                      fields: dict, names: tuple[str, str]) -> dict:
-  """The single-table step with the rule as built and with `fields` set."""
-  import jax  # pylint: disable=g-import-not-at-top
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-
-  import lazy_optax  # pylint: disable=g-import-not-at-top
-
-  v, d = TARGET['rows'], TARGET['row']
-  batches = [jnp.asarray(b) for b in make_batches(dict(TARGET, pool=8))]
-
-  def make_step(tx):
-    def step(params, state, ids):
-      loss, grads = lazy_optax.value_and_grad(
-          lambda p: jnp.mean((lazy_optax.lookup(p['table'], ids) @ p['w']
-                              - 1.0) ** 2))(params)
-      updates, state = tx.update(grads, state, params)
-      return lazy_optax.apply_updates(params, updates), state, loss
-    return step
-
-  def start(tx):
-    rng = np.random.default_rng(1)
-    params = {'table': jnp.asarray(rng.random((v, d), dtype=np.float32)
-                                   * 0.02 - 0.01),
-              'w': jnp.ones((d,), jnp.float32) * 0.1}
-    return [params, tx.init(params), 0]
-
-  txs = {names[0]: make_tx()}
-  with rule_with(module_name, **fields):
-    txs[names[1]] = make_tx()
-  runs, boxes = {}, {}
-  for name, tx in txs.items():
-    box = boxes[name] = start(tx)
-    c = compile_step(make_step(tx), (0, 1), box[0], box[1], batches[0])
-    print(f'  {name}: calls {sorted(targets(c))}')
-
-    def run(c=c, box=box):
-      k = box[2]
-      out = c(box[0], box[1], batches[k % len(batches)])
-      jax.block_until_ready(out)
-      box[0], box[1] = out[:2]
-      box[2] = k + 1
-    runs[name] = run
-  times = interleave(runs, args.rounds, args.steps)
-  a, b = (boxes[n][0]['table'] for n in names)
-  print(f'  tables after {args.rounds * args.steps} steps: max |diff| '
-        f'{float(jnp.max(jnp.abs(a - b))):.3g}')
-  return report(title, times, *names)
-
-
 def main(argv=None) -> dict:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument('--threads', type=int, default=1)
@@ -241,25 +175,7 @@ def main(argv=None) -> dict:
         f'steps; load average before: {os.getloadavg()}')
   out = {}
   for pair in args.only or PAIRS:
-    if pair == 'assign':
-      out[pair] = assign_pair(args)
-    elif pair == 'adagradw':
-      out[pair] = single_table_pair(
-          args, 'adagradw: rowwise_adagrad_with_counter, decoupled decay',
-          lambda: lazy_optax.rowwise_adagrad_with_counter(
-              1e-2, weight_decay=1e-3, counter_weight_decay_mode='adagradw'),
-          'lazy_optax._src.rowwise_adagrad_with_counter',
-          {'split_params': False}, ('split + add_linear', 'split_params=False'))
-    else:
-      import optax  # pylint: disable=g-import-not-at-top
-      out[pair] = single_table_pair(
-          args, 'max_norm: row_max_norm in lazy(chain(...))',
-          lambda: lazy_optax.lazy(optax.chain(
-              lazy_optax.scale_by_rowwise_adagrad(),
-              optax.scale_by_learning_rate(1e-2),
-              lazy_optax.row_max_norm(0.05))),
-          'lazy_optax._src.row_max_norm', {'fused_add': None},
-          ('fused_add', 'fused_add=None'))
+    out[pair] = assign_pair(args)
   print(f'load average after: {os.getloadavg()}')
   return out
 
