@@ -184,3 +184,23 @@ def test_every_rule_module_has_a_case_with_a_float64_model():
     model = case.reference(table)
     assert type(model).__module__ == 'reference', (name, type(model))
     assert np.asarray(model.p).dtype == np.float64, name
+
+
+def _calls(tree, attr):
+  return [node for node in ast.walk(tree)
+          if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+          and isinstance(node.func.value, ast.Name)
+          and node.func.value.id == 'fused' and node.func.attr == attr]
+
+
+def test_every_rule_with_tables_declares_its_state_type():
+  # `lazy` finds a rule's tables through its state type's declaration
+  # (`fused.declare`); a rule with tables and no declaration would get
+  # `lazy`'s generic path without a word.
+  missing = sorted(name for name in _rule_modules()
+                   if _calls(_tree(name), 'RowRule')
+                   and not _calls(_tree(name), 'declare'))
+  assert not missing, missing
+  declared = {name for name in _rule_modules() if _calls(_tree(name),
+                                                         'declare')}
+  assert {'adam', 'ftrl', 'rowwise_adagrad'} <= declared
