@@ -34,13 +34,11 @@ def _with_out_of_range(unique_ids: jax.Array, ids: jax.Array,
   There are at least as many unused slots as out-of-range ids.
   """
   n = ids.shape[0]
-  unused = unique_ids == num_rows
-  unused_rank = jnp.cumsum(unused.astype(jnp.int32)) - 1
-  kth_unused = jnp.zeros((n,), jnp.int32).at[
-      jnp.where(unused, unused_rank, n)].set(jnp.arange(n, dtype=jnp.int32),
-                                             mode='drop')
+  # The unused slots are the last ones (the named ids come first): the
+  # r-th out-of-range id goes to the r-th of them.
+  named = jnp.sum(unique_ids != num_rows, dtype=jnp.int32)
   outside_rank = jnp.cumsum(outside.astype(jnp.int32)) - 1
-  target = jnp.where(outside, kth_unused[outside_rank], n)
+  target = jnp.where(outside, named + outside_rank, n)
   return unique_ids.at[target].set(ids, mode='drop')
 
 
