@@ -57,7 +57,7 @@ def _run(root: str, cap: int) -> dict:
   proc = subprocess.run(
       [sys.executable, '-c', _WORKER, root, str(cap),
        json.dumps(_CONTENDERS)], env=env, capture_output=True, text=True,
-      check=False, cwd=here)
+      check=False, cwd=root)
   for line in proc.stdout.splitlines():
     if line.startswith('@@'):
       return json.loads(line[2:])
