@@ -160,8 +160,7 @@ def _row_leaves(leaves: _Leaves, skip_zero_rows: bool,
   rows: dict[int, _RowLeaf] = {}
   row_grads = list(leaves.grads)
   for i, (g, name) in enumerate(zip(leaves.grads, leaves.names)):
-    if isinstance(g, SparseRows):
-      check_sparse_leaf(g, leaves.params[i], name)
+    if isinstance(g, SparseRows):  # checked by `_trace` already
       ids, values = distinct_rows(g, f'parameter {name}',
                                   backends.get(i) if backends else None)
       rows[i] = _RowLeaf(ids, None)

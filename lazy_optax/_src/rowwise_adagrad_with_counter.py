@@ -263,9 +263,12 @@ def _rule(cfg: _Config) -> fused.RowRule:
       int_tables=('last_step',))
 
 
-def _check(fn, eps, weight_decay, counter_weight_decay_mode,
-           learning_rate_mode, counter_halflife, adjustment_ub,
-           tail_id_threshold, max_counter_update_freq, impl):
+def _checked_config(fn, eps, weight_decay, counter_weight_decay_mode,
+                    learning_rate_mode, counter_halflife, adjustment_iter,
+                    adjustment_ub, tail_id_threshold,
+                    tail_id_threshold_is_ratio, max_counter_update_freq,
+                    impl) -> _Config:
+  """The rule's `_Config`, its arguments checked (`fn` names the caller)."""
   if counter_weight_decay_mode not in COUNTER_WEIGHT_DECAY_MODES:
     raise ValueError(
         f'{fn}: counter_weight_decay_mode must be one of '
@@ -288,6 +291,11 @@ def _check(fn, eps, weight_decay, counter_weight_decay_mode,
         "counter_weight_decay_mode='none': pass 'l2', 'decoupled' or "
         "'adagradw'.")
   fused.check_impl(impl, fn)
+  return _Config(eps=eps, decay_mode=counter_weight_decay_mode,
+                 halflife=counter_halflife, adjustment_iter=adjustment_iter,
+                 adjustment_ub=adjustment_ub, lr_mode=learning_rate_mode,
+                 tail_id_threshold=tail_id_threshold,
+                 threshold_is_ratio=tail_id_threshold_is_ratio)
 
 
 def _refresh_max_counter(state, count, freq):
@@ -431,14 +439,11 @@ def rowwise_adagrad_with_counter(
     >>> state.row_counter['table'][jnp.array([3, 4, 7])]
     Array([1., 0., 1.], dtype=float32)
   """
-  _check('rowwise_adagrad_with_counter', eps, weight_decay,
-         counter_weight_decay_mode, learning_rate_mode, counter_halflife,
-         adjustment_ub, tail_id_threshold, max_counter_update_freq, impl)
-  cfg = _Config(eps=eps, decay_mode=counter_weight_decay_mode,
-                halflife=counter_halflife, adjustment_iter=adjustment_iter,
-                adjustment_ub=adjustment_ub, lr_mode=learning_rate_mode,
-                tail_id_threshold=tail_id_threshold,
-                threshold_is_ratio=tail_id_threshold_is_ratio)
+  cfg = _checked_config(
+      'rowwise_adagrad_with_counter', eps, weight_decay,
+      counter_weight_decay_mode, learning_rate_mode, counter_halflife,
+      adjustment_iter, adjustment_ub, tail_id_threshold,
+      tail_id_threshold_is_ratio, max_counter_update_freq, impl)
   return lazy(_transform(learning_rate, cfg, weight_decay, mask,
                          accumulator_dtype, max_counter_update_freq, impl),
               impl=impl)
@@ -521,14 +526,10 @@ def scale_by_rowwise_adagrad_with_counter(
         '(1 - weight_decay * lr)^k, not linearly in the learning rate, so '
         'it has no form without one: use rowwise_adagrad_with_counter('
         'learning_rate, ...).')
-  _check(fn, eps, weight_decay, counter_weight_decay_mode,
-         learning_rate_mode, counter_halflife, adjustment_ub,
-         tail_id_threshold, max_counter_update_freq, impl)
-  cfg = _Config(eps=eps, decay_mode=counter_weight_decay_mode,
-                halflife=counter_halflife, adjustment_iter=adjustment_iter,
-                adjustment_ub=adjustment_ub, lr_mode=learning_rate_mode,
-                tail_id_threshold=tail_id_threshold,
-                threshold_is_ratio=tail_id_threshold_is_ratio)
+  cfg = _checked_config(
+      fn, eps, weight_decay, counter_weight_decay_mode, learning_rate_mode,
+      counter_halflife, adjustment_iter, adjustment_ub, tail_id_threshold,
+      tail_id_threshold_is_ratio, max_counter_update_freq, impl)
   # Linear in the learning rate: the rule at rate -1 is the direction that
   # `optax.scale_by_learning_rate(lr)` (a factor of -lr) makes the update.
   return lazy(_transform(-1.0, cfg, weight_decay, mask, accumulator_dtype,
