@@ -27,6 +27,7 @@ import optax
 
 from lazy_optax._src import fused
 from lazy_optax._src import validate
+from lazy_optax._src.bare import bare
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import compute_dtype
 from lazy_optax._src.numerics import Mask
@@ -245,9 +246,10 @@ def scale_by_lazy_adam(
   validate.hyperparameters(
       'scale_by_lazy_adam', beta=dict(b1=b1, b2=b2),
       non_negative=dict(eps=eps, eps_root=eps_root))
-  return lazy(epsilon_hat_adam(
+  return bare(epsilon_hat_adam(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-      nu_dtype=nu_dtype, amsgrad=amsgrad, impl=impl), impl=impl)
+      nu_dtype=nu_dtype, amsgrad=amsgrad, impl=impl),
+      'scale_by_lazy_adam', impl)
 
 
 def lazy_adam(

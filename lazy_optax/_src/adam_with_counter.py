@@ -46,6 +46,7 @@ import optax
 
 from lazy_optax._src import fused
 from lazy_optax._src import validate
+from lazy_optax._src.bare import bare
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
@@ -375,10 +376,10 @@ def scale_by_adam_with_counter(
     >>> lazy_optax.compat.get_slot(state, 'table', 'row_count').shape
     (100,)
   """
-  return lazy(_adam_with_counter_rule(
+  return bare(_adam_with_counter_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
       nu_dtype=nu_dtype, bias_correction=bias_correction, catch_up=catch_up,
-      impl=impl), impl=impl)
+      impl=impl), 'scale_by_adam_with_counter', impl)
 
 
 def adam_with_counter(

@@ -35,6 +35,7 @@ import optax
 
 from lazy_optax._src import fused
 from lazy_optax._src import validate
+from lazy_optax._src.bare import bare
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
@@ -193,9 +194,9 @@ def scale_by_partial_rowwise_adam(
       'scale_by_partial_rowwise_adam', beta=dict(b1=b1, b2=b2),
       non_negative=dict(eps=eps, eps_root=eps_root))
   fused.check_impl(impl, 'scale_by_partial_rowwise_adam')
-  return lazy(_partial_rowwise_adam_rule(
+  return bare(_partial_rowwise_adam_rule(
       b1=b1, b2=b2, eps=eps, eps_root=eps_root, mu_dtype=mu_dtype,
-      nu_dtype=nu_dtype, impl=impl), impl=impl)
+      nu_dtype=nu_dtype, impl=impl), 'scale_by_partial_rowwise_adam', impl)
 
 
 def partial_rowwise_adam(

@@ -40,6 +40,7 @@ import optax
 
 from lazy_optax._src import fused
 from lazy_optax._src import validate
+from lazy_optax._src.bare import bare
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
@@ -202,10 +203,10 @@ def scale_by_rowwise_adagrad(
       'scale_by_rowwise_adagrad', non_negative=dict(
           eps=eps, initial_accumulator_value=initial_accumulator_value))
   fused.check_impl(impl, 'scale_by_rowwise_adagrad')
-  return lazy(_rowwise_adagrad_rule(
+  return bare(_rowwise_adagrad_rule(
       eps=eps, initial_accumulator_value=initial_accumulator_value,
       accumulator_dtype=accumulator_dtype, l2_weight_decay=None, mask=None,
-      impl=impl), impl=impl)
+      impl=impl), 'scale_by_rowwise_adagrad', impl)
 
 
 def rowwise_adagrad(

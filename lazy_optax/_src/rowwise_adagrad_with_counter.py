@@ -46,6 +46,7 @@ import optax
 
 from lazy_optax._src import fused
 from lazy_optax._src import validate
+from lazy_optax._src.bare import bare
 from lazy_optax._src.lazy import lazy
 from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.numerics import compute_dtype
@@ -532,5 +533,5 @@ def scale_by_rowwise_adagrad_with_counter(
       tail_id_threshold_is_ratio, max_counter_update_freq, impl)
   # Linear in the learning rate: the rule at rate -1 is the direction that
   # `optax.scale_by_learning_rate(lr)` (a factor of -lr) makes the update.
-  return lazy(_transform(-1.0, cfg, weight_decay, mask, accumulator_dtype,
-                         max_counter_update_freq, impl), impl=impl)
+  return bare(_transform(-1.0, cfg, weight_decay, mask, accumulator_dtype,
+                         max_counter_update_freq, impl), fn, impl)
