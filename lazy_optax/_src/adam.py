@@ -210,7 +210,8 @@ def scale_by_lazy_adam(
 ) -> optax.GradientTransformationExtraArgs:
   """Rescales updates by TensorFlow's lazy Adam rule, without learning rate.
 
-  For a `SparseRows` gradient only the touched rows of `mu` and `nu` change
+  The bare rule, as `optax.scale_by_adam` is: inside `lazy(...)` only the
+  touched rows of `mu` and `nu` change for a `SparseRows` gradient
   (duplicates summed first); a dense gradient updates every row, as
   TensorFlow's dense Adam does. The step count is global. Chain with
   `optax.scale_by_learning_rate` inside `lazy(...)`, or use `lazy_adam`.

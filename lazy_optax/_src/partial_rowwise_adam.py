@@ -159,8 +159,9 @@ def scale_by_partial_rowwise_adam(
 
   `mu` per entry, `nu` one number per row from the mean over the row of the
   squared gradient, bias correction from the global step (FBGEMM's
-  `PARTIAL_ROWWISE_ADAM`; see the module docstring). Lazy on `SparseRows`
-  gradients, dense on dense ones. Put a whole chain inside `lazy(...)` (or
+  `PARTIAL_ROWWISE_ADAM`; see the module docstring). The bare rule: inside
+  `lazy(...)` lazy on `SparseRows` gradients; dense on dense ones. Put a
+  whole chain inside `lazy(...)` (or
   use `partial_rowwise_adam`).
 
   Args:

@@ -169,8 +169,9 @@ def scale_by_rowwise_adagrad(
 
   Each row's gradient is divided by `sqrt(G_r) + eps`, where `G_r`
   accumulates the mean over the row of the squared gradient (FBGEMM's
-  `EXACT_ROWWISE_ADAGRAD`; see the module docstring). Lazy on `SparseRows`
-  gradients, dense on dense ones. Put a whole chain inside `lazy(...)` (or
+  `EXACT_ROWWISE_ADAGRAD`; see the module docstring). The bare rule: inside
+  `lazy(...)` lazy on `SparseRows` gradients; dense on dense ones. Put a
+  whole chain inside `lazy(...)` (or
   use `rowwise_adagrad`): a plain optax transformation next to it would see
   `SparseRows` updates.
 
