@@ -1,15 +1,15 @@
 """python -m lazy_optax.demo: its model, its table and its error messages."""
 
 import io
-import os
-import subprocess
-import sys
 
+import fork_server
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lazy_optax import demo
+
+_PRELOADED = ('numpy', 'jax', 'jax.numpy', 'optax', 'lazy_optax')
 
 TEXT = ('the quick brown fox jumps over the lazy dog and the dog sleeps '
         'while the fox runs to the river bank near the old mill ') * 40
@@ -102,12 +102,17 @@ def test_unreadable_files_are_named(capsys, tmp_path):
 def test_command_line_entry_point(tmp_path):
   path = tmp_path / 'corpus.txt'
   path.write_text(TEXT, encoding='utf-8')
-  proc = subprocess.run(
-      [sys.executable, '-m', 'lazy_optax.demo', '--steps', '3',
-       '--table-rows', '1000', '--dim', '4', '--batch', '16', '--text',
-       str(path)],
-      capture_output=True, text=True, timeout=300,
-      env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  argv = ['--steps', '3', '--table-rows', '1000', '--dim', '4', '--batch',
+          '16', '--text', str(path)]
+  # `python -m lazy_optax.demo ARGS` as runpy runs it, in a fresh process: a
+  # forked child of the one-device process that imported jax and lazy_optax
+  # once (tests/fork_server.py; the preloaded modules of
+  # tests/test_kernel_cache.py's, so one server serves both).
+  code = ('import runpy, sys\n'
+          f'sys.argv = [\'lazy_optax.demo\', *{argv!r}]\n'
+          "runpy.run_module('lazy_optax.demo', run_name='__main__', "
+          'alter_sys=True)\n')
+  (proc,) = fork_server.run_scripts([code], {}, preloaded=_PRELOADED)
   assert proc.returncode == 0, proc.stderr
   assert 'speed-up of lazy_adam over optax.adam' in proc.stdout
   assert '3/3' in proc.stderr

@@ -1,11 +1,9 @@
 """lazy_optax.equinox layers in Equinox train steps."""
 
-import os
-import subprocess
-import sys
 import warnings
 
 import equinox as eqx
+import fork_server
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +12,8 @@ import pytest
 
 import lazy_optax
 import lazy_optax.equinox
+
+_PRELOADED = ('numpy', 'jax', 'jax.numpy', 'optax', 'lazy_optax')
 
 NUM_ROWS, DIM, SEEN = 60, 4, 30   # batches only use rows < SEEN
 
@@ -163,7 +163,10 @@ def test_equinox_is_optional():
           "sys.modules['equinox'] = None\n"
           'try:\n  import lazy_optax.equinox\n'
           'except ImportError as e:\n  print(e)')
-  out = subprocess.run([sys.executable, '-c', code], capture_output=True,
-                       text=True, check=True,
-                       env=dict(os.environ, JAX_PLATFORMS='cpu'))
+  # Run as `python -c code` runs it, in a forked child of a process that
+  # imported jax and lazy_optax once, never equinox (tests/fork_server.py;
+  # the preloaded modules of tests/test_kernel_cache.py's, so one server
+  # serves both).
+  (out,) = fork_server.run_scripts([code], {}, preloaded=_PRELOADED)
+  assert out.returncode == 0, out.stderr[-3000:]
   assert 'lazy_optax.equinox needs Equinox: pip install equinox' in out.stdout

@@ -3,7 +3,8 @@
 The checks live in kernel_shards.py and run in other processes, since the
 device count must be set before JAX starts: the 8-device process of
 tests/eight_devices.py, and two processes of 2 devices each (forked children
-of the 2-device process of tests/fork_server.py).
+of the one-device process of tests/fork_server.py, each naming its 2
+devices before its backend starts).
 """
 
 import socket
@@ -33,11 +34,16 @@ def _free_port():
 
 def test_two_processes_run_the_documented_multi_host_step_with_the_kernel():
   # Two fresh processes of 2 devices each, started together: forked
-  # children of a process that imported jax and lazy_optax once.
+  # children of the one-device process that imported jax and lazy_optax
+  # once (tests/fork_server.py; the preloaded modules of
+  # tests/test_kernel_cache.py's, so one server serves both). No backend
+  # exists there yet: each child names its 2 CPU devices before it starts
+  # one (jax's `jax_num_cpu_devices`, as XLA_FLAGS would).
   port = _free_port()
   runs = fork_server.run_scripts(
-      [f'import kernel_shards\nkernel_shards.process_main({i}, {port})'
-       for i in range(2)], {}, devices=2, preloaded=_PRELOADED)
+      ['import jax\njax.config.update("jax_num_cpu_devices", 2)\n'
+       f'import kernel_shards\nkernel_shards.process_main({i}, {port})'
+       for i in range(2)], {}, preloaded=_PRELOADED)
   for run in runs:
     assert run.returncode == 0, run.stderr[-4000:]
   ok = sorted(line for run in runs for line in run.stdout.splitlines()
