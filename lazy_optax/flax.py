@@ -40,8 +40,10 @@ from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 
 from lazy_optax._src import lookups
+from lazy_optax._src.collection import check_collection
 from lazy_optax._src.collection import EmbeddingCollection
 from lazy_optax._src.grads import value_and_grad
+from lazy_optax._src.id_table import check_id_table
 from lazy_optax._src.id_table import FreshRows
 from lazy_optax._src.id_table import IdTable
 from lazy_optax._src.reset_rows import reset_rows
@@ -334,14 +336,6 @@ def nnx_value_and_grad(
 
 # -- many tables as one (lazy_optax.EmbeddingCollection) ----------------------
 
-def _check_collection(collection: object, where: str) -> EmbeddingCollection:
-  if not isinstance(collection, EmbeddingCollection):
-    raise TypeError(f'{where}: collection must be a '
-                    'lazy_optax.EmbeddingCollection, got '
-                    f'{type(collection).__name__}.')
-  return collection
-
-
 class EmbedCollection(nn.Module):
   """A `lazy_optax.EmbeddingCollection`'s tables, in Flax linen.
 
@@ -388,7 +382,7 @@ class EmbedCollection(nn.Module):
   dtype: Optional[DTypeLike] = None
 
   def setup(self):
-    coll = _check_collection(self.collection,
+    coll = check_collection(self.collection,
                              'lazy_optax.flax.EmbedCollection')
     # One key for all stacks: each table's rows are those of
     # `collection.init(key)`, whatever the plan.
@@ -471,7 +465,7 @@ class NnxEmbedCollection(nnx.Module):
       dtype: optional dtype of the returned rows.
       rngs: its `params` stream gives the key of `collection.init`.
     """
-    self.collection = _check_collection(
+    self.collection = check_collection(
         collection, 'lazy_optax.flax.NnxEmbedCollection')
     self.dtype = dtype
     self.stacks = nnx.Dict({name: nnx.Param(value) for name, value in
@@ -509,13 +503,6 @@ class NnxEmbedCollection(nnx.Module):
 
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
 
-def _check_id_table(table: object, where: str) -> IdTable:
-  if not isinstance(table, IdTable):
-    raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
-                    f'{type(table).__name__}.')
-  return table
-
-
 class _HashEmbedTable(nn.Module):
   """The `[table.capacity, features]` parameter of the hashed-id layers."""
 
@@ -527,7 +514,7 @@ class _HashEmbedTable(nn.Module):
       1.0, 'fan_in', 'normal', out_axis=0)
 
   def setup(self):
-    _check_id_table(self.table, 'lazy_optax.flax.HashEmbed')
+    check_id_table(self.table, 'lazy_optax.flax.HashEmbed')
     self.embedding = self.param('embedding', self.embedding_init,
                                 (self.table.capacity, self.features),
                                 self.param_dtype)
@@ -652,7 +639,7 @@ class NnxHashEmbed(NnxEmbed):
       **kwargs: `flax.nnx.Embed`'s other arguments (`rngs`, `dtype`,
         `embedding_init`...).
     """
-    table = _check_id_table(table, 'lazy_optax.flax.NnxHashEmbed')
+    table = check_id_table(table, 'lazy_optax.flax.NnxHashEmbed')
     super().__init__(table.capacity, features, padding_id=table.capacity,
                      **kwargs)
 
@@ -683,7 +670,7 @@ class NnxHashEmbedBag(NnxEmbedBag):
       mode: `'sum'`, `'mean'` (default) or `'max'`.
       **kwargs: `flax.nnx.Embed`'s other arguments (`rngs`, `dtype`, ...).
     """
-    table = _check_id_table(table, 'lazy_optax.flax.NnxHashEmbedBag')
+    table = check_id_table(table, 'lazy_optax.flax.NnxHashEmbedBag')
     super().__init__(table.capacity, features, mode=mode,
                      padding_id=table.capacity, **kwargs)
 

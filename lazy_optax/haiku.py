@@ -35,7 +35,9 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 
 from lazy_optax._src import lookups
+from lazy_optax._src.collection import check_collection
 from lazy_optax._src.collection import EmbeddingCollection
+from lazy_optax._src.id_table import check_id_table
 from lazy_optax._src.id_table import IdTable
 
 
@@ -208,11 +210,8 @@ class EmbedCollection(hk.Module):
       name: the module's name (default `'embed_collection'`).
     """
     super().__init__(name=name)
-    if not isinstance(collection, EmbeddingCollection):
-      raise TypeError('lazy_optax.haiku.EmbedCollection: collection must be '
-                      'a lazy_optax.EmbeddingCollection, got '
-                      f'{type(collection).__name__}.')
-    self.collection = collection
+    self.collection = check_collection(collection,
+                                       'lazy_optax.haiku.EmbedCollection')
 
   def _stacks(self) -> dict[str, jax.Array]:
     # One key for all stacks: each table's rows are those of
@@ -256,13 +255,6 @@ class EmbedCollection(hk.Module):
 
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
 
-def _check_id_table(table: object, where: str) -> IdTable:
-  if not isinstance(table, IdTable):
-    raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
-                    f'{type(table).__name__}.')
-  return table
-
-
 class HashEmbed(Embed):
   """Rows of a `lazy_optax.IdTable`'s slots, in Haiku.
 
@@ -295,7 +287,7 @@ class HashEmbed(Embed):
       embed_dim: the row size.
       **kwargs: `hk.Embed`'s keyword arguments (`name`, `w_init`, ...).
     """
-    table = _check_id_table(table, 'lazy_optax.haiku.HashEmbed')
+    table = check_id_table(table, 'lazy_optax.haiku.HashEmbed')
     super().__init__(table.capacity, embed_dim, padding_id=table.capacity,
                      **kwargs)
 
@@ -327,7 +319,7 @@ class HashEmbedBag(EmbedBag):
       mode: `'sum'`, `'mean'` (default) or `'max'`.
       **kwargs: `hk.Embed`'s keyword arguments (`name`, `w_init`, ...).
     """
-    table = _check_id_table(table, 'lazy_optax.haiku.HashEmbedBag')
+    table = check_id_table(table, 'lazy_optax.haiku.HashEmbedBag')
     super().__init__(table.capacity, embed_dim, mode=mode,
                      padding_id=table.capacity, **kwargs)
 

@@ -37,7 +37,6 @@ from lazy_optax._src import validate
 from lazy_optax._src.collection_plan import FeatureSpec
 from lazy_optax._src.collection_plan import Stack
 from lazy_optax._src.id_code import index_dtype
-from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.row_reads import in_range
 
 CALLER = 'EmbeddingCollection.lookup'
@@ -83,12 +82,9 @@ def feature_slots(
   if spec.mode is None:
     active = lookups.not_padding(ids, spec.padding_id, where)
   else:
-    lookups._check_bag_args(ids, spec.mode, given.get('masks'),  # pylint: disable=protected-access
-                            given.get('lengths'), where)
-    active = lookups._bag_members(ids, given.get('masks'),  # pylint: disable=protected-access
-                                  given.get('lengths'), spec.padding_id, where)
-    weights = lookups._bag_weights(given.get('weights'), ids, spec.mode,  # pylint: disable=protected-access
-                                   where)
+    active, weights = lookups.bag_slots(
+        ids, spec.mode, given.get('masks'), given.get('lengths'),
+        given.get('weights'), spec.padding_id, where)
   lookups.check_in_range(ids, active, rows, where)
   return _Slots(spec, ids, active, weights, offset, rows)
 
@@ -136,11 +132,7 @@ def _pool(s: _Slots, rows: jax.Array) -> jax.Array:
   """A feature's rows as `lookup` or `lookup_bag` return them."""
   if s.spec.mode is None or s.active is None:
     return rows
-  slot = broadcast_rows(s.active, rows)
-  if s.spec.mode == 'max':
-    return lookups._max_pool(rows, slot)  # pylint: disable=protected-access
-  return lookups._weighted_pool(rows, slot, s.active, s.weights,  # pylint: disable=protected-access
-                                s.spec.mode)
+  return lookups.pool(rows, s.active, s.weights, s.spec.mode)
 
 
 def read_stack(table: ArrayLike, stack: Stack, slots: Sequence[_Slots],

@@ -680,3 +680,11 @@ class IdTable:
 # table and batch shape when called eagerly; inlined under an outer jit.
 _assign_jit = jax.jit(IdTable._assign, static_argnums=0)
 _find_jit = jax.jit(IdTable._find, static_argnums=0)
+
+
+def check_id_table(table: object, where: str) -> IdTable:
+  """`table`, refused unless an `IdTable` (the hashed-id layers' check)."""
+  if not isinstance(table, IdTable):
+    raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
+                    f'{type(table).__name__}.')
+  return table
