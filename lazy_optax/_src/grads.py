@@ -257,15 +257,6 @@ def had_row_sparse_gradient(table: object) -> bool:
   return ref is not None and ref() is table
 
 
-def _sparse_rows(ids: jax.Array, values: jax.Array,
-                 num_rows: int, impl: str) -> SparseRows:
-  """The `SparseRows` gradient; slots may name `num_rows` (padding: no row).
-
-  Repeated ids are summed here, where the gradient is built.
-  """
-  return SparseRows.from_unique(ids, values, num_rows, impl=impl)
-
-
 def _zeros(struct: jax.ShapeDtypeStruct,
            axes: tuple[Hashable, ...]) -> jax.Array:
   zeros = jnp.zeros(struct.shape, struct.dtype)
@@ -321,8 +312,10 @@ def _differentiate(call: _Call, params: _Params, sparse: list[int],
     # the rows read (free at run time).
     values = row_ops.after(values, *reads[i],
                            backend=_backend.for_array(values, impl))
-    grads[i] = _sparse_rows(ids[i], values.astype(table.dtype),
-                            jnp.shape(table)[0], impl)
+    # Repeated ids are summed here, where the gradient is built; slots may
+    # name `num_rows` (padding: no row).
+    grads[i] = SparseRows.from_unique(ids[i], values.astype(table.dtype),
+                                      jnp.shape(table)[0], impl=impl)
   return loss, aux, jax.tree_util.tree_unflatten(params.treedef, grads)
 
 

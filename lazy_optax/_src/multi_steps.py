@@ -105,14 +105,6 @@ def _empty_acc(params: optax.Params, ids_per_step: Mapping[str, int],
   return acc
 
 
-def _init(inner: optax.GradientTransformationExtraArgs, params: optax.Params,
-          ids_per_step: Mapping[str, int], every_k: int) -> MultiStepsState:
-  """The state before the first step: empty accumulators, no update made."""
-  acc = _empty_acc(params, ids_per_step, every_k)
-  return MultiStepsState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
-                         inner.init(params), acc)
-
-
 def _add_dense(path: jax.tree_util.KeyPath, acc: jax.Array,
                g: ArrayLike | SparseRows, scale: float) -> jax.Array:
   """A dense parameter's accumulator `acc` plus its gradient `g`, scaled."""
@@ -129,11 +121,7 @@ def _add_dense(path: jax.tree_util.KeyPath, acc: jax.Array,
 def _add_rows(path: jax.tree_util.KeyPath, buf: RowBuffer,
               g: ArrayLike | SparseRows, slot: jax.Array, every_k: int,
               scale: float) -> RowBuffer:
-  """A table's `buf` with its `SparseRows` gradient `g`, scaled, in `slot`.
-
-  Slot `slot` (the step's index in its window) holds the buffer's rows
-  `slot * n` to `(slot + 1) * n`, for `n` ids per step.
-  """
+  """`buf` with the `SparseRows` `g`, scaled, in rows `slot * n` on."""
   name = path_name(path)
   n = buf.ids.shape[0] // every_k
   if not isinstance(g, SparseRows) or g.num_ids != n:
@@ -154,11 +142,7 @@ def _add_rows(path: jax.tree_util.KeyPath, buf: RowBuffer,
 
 def _added(acc: optax.Updates, updates: optax.Updates, slot: jax.Array,
            every_k: int, use_grad_mean: bool) -> optax.Updates:
-  """The accumulators `acc` with one step's gradients `updates` added.
-
-  Each gradient is scaled by `1 / every_k` if `use_grad_mean`, so that the
-  `every_k` steps add up to their mean; a table's rows go to slot `slot`.
-  """
+  """`acc` plus one step's `updates` (scaled by `1 / every_k` for a mean)."""
   scale = 1.0 / every_k if use_grad_mean else 1.0
 
   def add(path, a, g):
@@ -173,11 +157,7 @@ def _added(acc: optax.Updates, updates: optax.Updates, slot: jax.Array,
 
 def _accumulated_grads(acc: optax.Updates,
                        updates: optax.Updates) -> optax.Updates:
-  """The gradients `tx` gets: `acc`, with a `SparseRows` per `RowBuffer`.
-
-  A buffer holds its slots as written, repeated ids included: `tx` sums
-  them first, as for any gradient.
-  """
+  """The gradients `tx` gets: `acc`, a `SparseRows` per `RowBuffer`."""
   return jax.tree.map(
       lambda a, g: SparseRows.from_unique(a.ids, a.values, g.num_rows,
                                           impl=g.impl)
@@ -185,8 +165,7 @@ def _accumulated_grads(acc: optax.Updates,
 
 
 def _params_like(acc: optax.Updates, updates: optax.Updates) -> optax.Params:
-  """Shape structs of the parameters, read from `acc` and the gradients (a
-  table's leading size is its gradient's `num_rows`)."""
+  """Shape structs of the parameters (a table's rows: its gradient's)."""
 
   def struct(a, g):
     if a is None:
@@ -203,14 +182,9 @@ def _table_leaves(inner: optax.GradientTransformationExtraArgs,
                   acc: optax.Updates, updates: optax.Updates,
                   inner_state: optax.OptState
                   ) -> Optional[tuple[list[bool], set[str]]]:
-  """Which leaves of `tx`'s state hold one row per table row, and the path
-  names of the tables they belong to (`row_state.row_owners`, as `lazy`
-  finds them).
+  """Which leaves of `tx`'s state mirror a table, and the tables' names.
 
-  Returns:
-    One flag per leaf of `inner_state`, and the tables' names; None where
-    `row_owners` refuses the state (a leaf that is not row by row, or a
-    state that is not `init`'s).
+  None where `row_state.row_owners` refuses the state.
   """
   shapes, treedef = jax.tree.flatten(_params_like(acc, updates))
   paths = jax.tree_util.tree_leaves_with_path(
@@ -327,10 +301,6 @@ def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
         new_updates, is_leaf=is_sparse_rows)
     return zeroed, jax.tree.unflatten(state_def, kept)
 
-  # A rule's XLA update ('xla': its rows written, then read back) makes
-  # the lax.cond copy its tables. On the CPU, its kernel (an aliased call)
-  # and lazy's generic write-back copy nothing there: the CPU keeps the
-  # lax.cond, which skips the O(k x batch) work.
   if any(c.impl == 'xla' for c in choices.values()):
     return branch_free(emit)
   return branching.per_platform(skipping, branch_free, emit)
@@ -341,11 +311,7 @@ def _update(inner: optax.GradientTransformationExtraArgs, every_k: int,
             state: MultiStepsState, params: Optional[optax.Params],
             extra_args: Mapping[str, object]
             ) -> tuple[optax.Updates, MultiStepsState]:
-  """One step: adds `updates`; every `every_k`-th step, updates with `tx`.
-
-  Returns `tx`'s updates and empties the accumulators on the step that ends
-  a window; on the others, zero updates and `tx`'s state as it was.
-  """
+  """One step: adds `updates`; every `every_k`-th step, updates with `tx`."""
   acc = _added(state.acc, updates, state.mini_step, every_k, use_grad_mean)
   emit = state.mini_step == every_k - 1
   new_updates, inner_state = _update_if(emit, inner, acc, updates,
@@ -413,7 +379,9 @@ def multi_steps(
   wanted = dict(ids_per_step)
 
   def init_fn(params):
-    return _init(inner, params, wanted, every_k)
+    acc = _empty_acc(params, wanted, every_k)
+    return MultiStepsState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
+                           inner.init(params), acc)
 
   def update_fn(updates, state, params=None, **extra_args):
     return _update(inner, every_k, use_grad_mean, updates, state, params,

@@ -112,24 +112,14 @@ def _hlo_shape(info: jax.stages.ArgInfo) -> str:
 COPY_WARN_BYTES = 2**20
 
 
-def _copied_tables(hlo: str, tables: Sequence[tuple[str, jax.stages.ArgInfo]]
-                   ) -> dict[str, int]:
-  """The donated tables that the compiled step copies whole, and the bytes.
-
-  A `copy` (or `copy-start`) instruction in the compiled program whose
-  result has a table's shape and dtype copies that table (or another
-  argument of the same shape: all of them are named). Tables under
-  `COPY_WARN_BYTES` are left out.
-  """
-  copied: dict[str, int] = {}
-  for name, nbytes, _ in _table_copies(hlo, tables):
-    copied[name] = copied.get(name, 0) + nbytes
-  return copied
-
-
 def _table_copies(hlo: str, tables: Sequence[tuple[str, jax.stages.ArgInfo]]
                   ) -> list[tuple[str, int, bool]]:
-  """Per table-sized copy: the table, its bytes, whether in a cond branch."""
+  """Per table-sized copy: the table, its bytes, whether in a cond branch.
+
+  A `copy` (or `copy-start`) instruction whose result has a table's shape
+  and dtype copies that table (or another argument of the same shape: all
+  of them are named). Tables under `COPY_WARN_BYTES` are left out.
+  """
   by_shape: dict[str, list[tuple[str, int]]] = {}
   for name, info in tables:
     if _nbytes(info) >= COPY_WARN_BYTES:
@@ -156,12 +146,6 @@ def _copies(hlo: str) -> list[tuple[str, bool]]:
     elif ' copy(' in line or ' copy-start(' in line:
       found.append((line, computation in branches))
   return found
-
-
-def _in_branches(hlo: str,
-                 tables: Sequence[tuple[str, jax.stages.ArgInfo]]) -> bool:
-  """Whether every table-sized copy lies in a `lax.cond` branch."""
-  return all(in_branch for _, _, in_branch in _table_copies(hlo, tables))
 
 
 _COND_CAUSE = (
@@ -247,12 +231,12 @@ def warn_if_not_donated(step: Callable[..., object], *args: object,
           stacklevel=2)
     return False
   compiled = lowered.compile()
-  copied = _copied_tables(compiled.as_text() or '', tables)
-  if copied:
+  copies = _table_copies(compiled.as_text() or '', tables)
+  if copies:
     if _first_time(step):
-      names = ', '.join(copied)
-      size = _size(sum(copied.values()))
-      cause = (_COND_CAUSE if _in_branches(compiled.as_text() or '', tables)
+      names = ', '.join(dict.fromkeys(name for name, _, _ in copies))
+      size = _size(sum(nbytes for _, nbytes, _ in copies))
+      cause = (_COND_CAUSE if all(branch for _, _, branch in copies)
                else _LINEAR_CAUSE)
       warnings.warn(
           f'lazy_optax: this train step donates its tables, but XLA copies '
