@@ -143,10 +143,6 @@ def _transform(entry: Transform, label: str, where: str,
   return optax.chain(base, scale_rows_by_table(stack, multipliers))
 
 
-def _last_key(name: str) -> str:
-  return name.rsplit('/', 1)[-1]
-
-
 def collection_optimizer(collection: EmbeddingCollection,
                          transforms: Mapping[str, Transform],
                          by: str) -> optax.GradientTransformation:
@@ -173,7 +169,7 @@ def collection_optimizer(collection: EmbeddingCollection,
                             linear)
 
   def label_of(name: str) -> str:
-    key = _last_key(name)
+    key = name.rsplit('/', 1)[-1]
     if key not in txs:
       raise ValueError(f'EmbeddingCollection.optimizer: parameter {name} is '
                        f'not a {by} of the collection ({sorted(txs)}).')
@@ -285,7 +281,6 @@ def state_from_tables(collection: EmbeddingCollection, state: optax.OptState,
                                                     where))
     out[stack.name] = jax.tree.unflatten(treedef, new)
   return template._replace(inner_states=out)
-
 
 
 def fresh_rows(coll: EmbeddingCollection,

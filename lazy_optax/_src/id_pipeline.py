@@ -1,19 +1,10 @@
 """The XLA path of `IdTable.assign`: its steps in order, one batch.
 
 `assign_xla` runs the steps of `id_table`'s docstring on a batch of id
-words: `_place` steps 1 to 4 (`id_assign.probe_windows`, `id_assign.expire`,
-`id_assign.admit`, then `id_claims.claim_rounds` with the hits marked seen,
-`_mark_hits`), and `_account` step 5 (one representative position per slot,
-the `'lfu'` counts, the `ttl` wheel, the eviction log from the slots' old
-owners, the counters), which builds the new state with the old one's
-dtypes. The steps live in `id_assign` (1 to 3, 5) and `id_claims` (4); this
-module only wires them, so it imports both and `id_table` imports it (the
-state's classes are named here for type checking only: the new state is
-`state._replace(...)`, the fresh slots go back as an array, as
-`id_kernels.assign` returns them, and `IdTable` wraps them in `FreshRows`).
-
-`table` is the (static, frozen) `IdTable`. Everything here is batch-sized:
-no loop over ids, no table-sized array.
+words: `_place` steps 1 to 4 (in `id_assign` and `id_claims`), `_account`
+step 5, which builds the new state with the old one's dtypes. This module
+only wires the steps (`id_table` imports it; the state's classes are named
+here for type checking only). Everything here is batch-sized.
 """
 
 from __future__ import annotations

@@ -1,20 +1,10 @@
 """Stochastic rounding of updates added to 16-bit tables.
 
-A bfloat16 weight near 1.0 has 8 bits of precision: its neighbours are
-2^-7 apart, so adding any update smaller than 2^-8 (half a unit in the last
-place) and rounding to nearest gives the weight back unchanged. A bfloat16
-table trained with small learning rates stops learning. Stochastic rounding
-rounds `w + u` (computed in float32) up or down at random, with the
-probability of each proportional to the distance to the other neighbour,
-so the expected stored value is `w + u`: small updates add up on average.
-
-`apply_updates_stochastic` does that for every bfloat16 or float16 leaf,
-and adds updates to other leaves as `apply_updates` does. The random bits
-are reproducible and independent of how a step is laid out: each row draws
-from `fold_in(fold_in(fold_in(key, step), leaf), row_id)`, where `leaf` is a
-hash of the parameter's path (`'emb/table'`), so the same seed and step give
-the same bits whatever the batch order, the mesh or the device count. A
-`SparseRows` update touches only its (deduplicated) rows: O(batch).
+A bfloat16 weight near 1.0 has 8 bits of precision: adding any update
+smaller than 2^-8 and rounding to nearest gives the weight back unchanged,
+so a bfloat16 table trained with small learning rates stops learning.
+`apply_updates_stochastic` rounds `w + u` up or down at random, without
+bias, with bits drawn per row (see its docstring).
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """Donated train steps: `make_train_step` and `warn_if_not_donated`.
 
 Without buffer donation XLA copies every table (and its optimizer state) on
-each step, because the updated table cannot be written into an input that
-the caller may still read: the lazy step then costs O(table) again and is
-slower than dense Adam. These helpers check a jitted step once, with public
-JAX only (`step.lower(...)`'s `args_info` and the compiled step's
-`memory_analysis()`), and warn when its tables are not donated.
-
-`make_train_step` also keeps the train state when it refuses a step. JAX
-deletes donated inputs when a computation fails, so a check that raises
-from inside the compiled step (a host callback) would lose the params and
-optimizer state. The helper's step returns its checks as data instead
-(`damage.recording`): once a check fails, every row write of lazy_optax
-goes to the "no row" sentinel, and every other leaf of a donated argument
-is kept with a `where`; the helper then raises on the host, with the state
-from before the step on the exception (`StepError.outputs`). A step without
-checks (its gradients come from `lazy_optax.value_and_grad` unchanged)
-compiles and runs as `jax.jit` alone would.
+each step: the lazy step then costs O(table) again. `make_train_step` also
+keeps the train state when it refuses a step: JAX deletes donated inputs
+when a computation fails, so the step returns its checks as data
+(`damage.recording`) and the helper raises on the host, with the state from
+before the step (docs/design.md, "A refused step keeps the train state").
 """
 
 from __future__ import annotations
