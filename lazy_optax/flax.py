@@ -250,9 +250,7 @@ class NnxEmbedBag(NnxEmbed):
                      **kwargs)
     self.mode = mode
 
-  # Bags take `mask`, `lengths` and `per_sample_weights` where `NnxEmbed`
-  # takes `out_sharding`: an `NnxEmbedBag` shares `NnxEmbed`'s parameter, not
-  # its call.
+  # A bag shares `NnxEmbed`'s parameter, not its call (`out_sharding`).
   def __call__(  # type: ignore[override]
       self, inputs: ArrayLike, mask: Optional[ArrayLike] = None,
       lengths: Optional[ArrayLike] = None,

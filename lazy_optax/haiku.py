@@ -143,9 +143,7 @@ class EmbedBag(Embed):
     super().__init__(*args, padding_id=padding_id, **kwargs)
     self.mode = mode
 
-  # Bags take `mask`, `lengths` and `per_sample_weights` where `Embed` takes
-  # `lookup_style` and `precision`: an `EmbedBag` shares `Embed`'s parameter,
-  # not its call.
+  # A bag shares `Embed`'s parameter, not its call (`lookup_style`).
   def __call__(  # type: ignore[override]
       self, ids: ArrayLike | Sequence[int],
       mask: Optional[ArrayLike] = None,

@@ -134,17 +134,9 @@ class RoundResult(NamedTuple):
 
 
 class RoundCarry(NamedTuple):
-  """What the claim rounds carry from one round to the next.
-
-  Attributes:
-    tables: the `ClaimTables`, winners written.
-    placed: int32 `[N]`, the slot each id won (`capacity`: none yet).
-    placed_j: int32 `[N]`, its position in the id's window.
-    pending: bool `[N]`, ids still to claim a slot.
-    stuck: bool `[N]`, ids that found no slot to claim in some round.
-    blocked: bool `[N]`, ids refused by a full window under `'none'`.
-    declined: bool `[N]`, ids declined by the frequency guard.
-  """
+  """What the claim rounds carry from one round to the next: the
+  `ClaimTables` (winners written) and `Claims`' per-id fields so far, with
+  `stuck`, the ids that found no slot to claim in some round."""
   tables: ClaimTables
   placed: jax.Array
   placed_j: jax.Array

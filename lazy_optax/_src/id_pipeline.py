@@ -128,7 +128,10 @@ def _account(table: IdTable, state: IdTableState, now: jax.Array,
       claims=claims, sketch=placed.sketch, wheel=wheel, log_ids=log.log_ids,
       log_steps=log.log_steps, log_next=log.log_next,
       log_lost=log.log_lost, step=now, live=live, counters=counters)
-  return _same_dtypes(new_state, state), slot, inserted
+  # The old state's dtypes: under jax_enable_x64 scalar arithmetic would
+  # widen some leaves to 64 bits.
+  return (jax.tree.map(lambda new, old: new.astype(old.dtype), new_state,
+                       state), slot, inserted)
 
 
 class _Owners(NamedTuple):
@@ -183,11 +186,3 @@ def _events(counters: IdCounters, placed: _Placed, inserted: jax.Array,
       'overflows': id_assign.count(full),
       'unadmitted': id_assign.count(placed.need & ~placed.admitted),
       'declined': id_assign.count(claimed.declined)})
-
-
-def _same_dtypes(new_state: IdTableState,
-                 state: IdTableState) -> IdTableState:
-  """`new_state` with `state`'s dtypes (under jax_enable_x64 scalar
-  arithmetic would otherwise widen some leaves to 64 bits)."""
-  return jax.tree.map(lambda new, old: new.astype(old.dtype), new_state,
-                      state)
