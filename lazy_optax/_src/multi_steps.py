@@ -241,22 +241,10 @@ def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
                ) -> tuple[optax.Updates, optax.OptState]:
   """`tx`'s updates and state if `emit`, else zero updates and `inner_state`.
 
-  `tx` updates with the accumulated gradients `acc`; `updates`, the step's
-  gradients, give the tables' `num_rows`.
-
-  Skipping `tx` under a `lax.cond` costs a copy of every table-sized state
-  leaf that `tx` scatters into, on XLA's path: the branch that keeps the
-  old leaf and the one that writes into it cannot share its buffer. So
-  where `tx`'s state has table-sized leaves and every one belongs to a
-  table that a `lazy(...)` updates, `tx` runs at every step, branch-free:
-  on a step that does not emit, the tables' gradients hold no row (ids
-  `num_rows`, which `lazy` drops: no table-sized leaf is written), and the
-  other state leaves and the updates are selected with `where` (O(dense
-  parameters)). Where no table's rule takes XLA's path ('xla'), the CPU
-  keeps the `lax.cond` that skips the work, under which a rule's CPU
-  kernel (an aliased call) and `lazy`'s generic write-back copy nothing
-  (`branching.per_platform`: other platforms run branch-free). A
-  table-sized leaf that no `lazy` updates row by row keeps the `lax.cond`.
+  A `lax.cond` would copy every table-sized state leaf that XLA's path
+  scatters into, so where each belongs to a table of a `lazy(...)`, `tx`
+  runs at every step, branch-free, its tables given no row when not
+  `emit` (docs/performance.md: where the CPU keeps the `lax.cond`).
   """
   def do_update(_):
     grads = _accumulated_grads(acc, updates)
