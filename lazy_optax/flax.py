@@ -39,6 +39,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 
+from lazy_optax._src import collection_layer
 from lazy_optax._src import lookups
 from lazy_optax._src.collection import check_collection
 from lazy_optax._src.collection import EmbeddingCollection
@@ -393,32 +394,11 @@ class EmbedCollection(nn.Module):
     self.stacks = {s.name: self.param(s.name, init, s.name)
                    for s in coll.plan}
 
-  def __call__(self, ids_by_feature: Mapping[str, ArrayLike], *,
-               lengths: Optional[Mapping[str, ArrayLike]] = None,
-               masks: Optional[Mapping[str, ArrayLike]] = None,
-               weights: Optional[Mapping[str, ArrayLike]] = None
-               ) -> dict[str, jax.Array]:
-    """Each feature's rows (`EmbeddingCollection.lookup`).
+  def _lookup_stacks(self) -> tuple[dict[str, jax.Array], Optional[DTypeLike]]:
+    return self.stacks, self.dtype
 
-    Args:
-      ids_by_feature: `{feature name: integer ids}`, for some or all
-        features.
-      lengths: optional `{bag feature: [batch] lengths}`.
-      masks: optional `{bag feature: boolean [batch, max_len]}`.
-      weights: optional `{bag feature: [batch, max_len] weights}`.
-
-    Returns:
-      `{feature name: array}`: `ids.shape + (width,)` for single ids,
-      `[batch, width]` for bags.
-    """
-    return self.collection.lookup(self.stacks, ids_by_feature,
-                                  lengths=lengths, masks=masks,
-                                  weights=weights, dtype=self.dtype)
-
-  def tables(self) -> dict[str, jax.Array]:
-    """Each table by name (`EmbeddingCollection.tables`): `apply(...,
-    method='tables')`."""
-    return self.collection.tables(self.stacks)
+  __call__ = collection_layer.lookup
+  tables = collection_layer.tables  # apply(..., method='tables')
 
 
 class NnxEmbedCollection(nnx.Module):
@@ -469,34 +449,11 @@ class NnxEmbedCollection(nnx.Module):
     self.stacks = nnx.Dict({name: nnx.Param(value) for name, value in
                             collection.init(rngs.params()).items()})
 
-  def _values(self) -> dict[str, jax.Array]:
-    return {name: param[...] for name, param in self.stacks.items()}
+  def _lookup_stacks(self) -> tuple[dict[str, jax.Array], Optional[DTypeLike]]:
+    return {name: p[...] for name, p in self.stacks.items()}, self.dtype
 
-  def __call__(self, ids_by_feature: Mapping[str, ArrayLike], *,
-               lengths: Optional[Mapping[str, ArrayLike]] = None,
-               masks: Optional[Mapping[str, ArrayLike]] = None,
-               weights: Optional[Mapping[str, ArrayLike]] = None
-               ) -> dict[str, jax.Array]:
-    """Each feature's rows (`EmbeddingCollection.lookup`).
-
-    Args:
-      ids_by_feature: `{feature name: integer ids}`, for some or all
-        features.
-      lengths: optional `{bag feature: [batch] lengths}`.
-      masks: optional `{bag feature: boolean [batch, max_len]}`.
-      weights: optional `{bag feature: [batch, max_len] weights}`.
-
-    Returns:
-      `{feature name: array}`: `ids.shape + (width,)` for single ids,
-      `[batch, width]` for bags.
-    """
-    return self.collection.lookup(self._values(), ids_by_feature,
-                                  lengths=lengths, masks=masks,
-                                  weights=weights, dtype=self.dtype)
-
-  def tables(self) -> dict[str, jax.Array]:
-    """Each table by name (`EmbeddingCollection.tables`)."""
-    return self.collection.tables(self._values())
+  __call__ = collection_layer.lookup
+  tables = collection_layer.tables
 
 
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------

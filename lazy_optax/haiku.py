@@ -22,7 +22,7 @@ installed: `import lazy_optax` never imports Haiku.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 try:
   import haiku as hk
@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from lazy_optax._src import collection_layer
 from lazy_optax._src import lookups
 from lazy_optax._src.collection import check_collection
 from lazy_optax._src.collection import EmbeddingCollection
@@ -211,7 +212,7 @@ class EmbedCollection(hk.Module):
     self.collection = check_collection(collection,
                                        'lazy_optax.haiku.EmbedCollection')
 
-  def _stacks(self) -> dict[str, jax.Array]:
+  def _lookup_stacks(self) -> tuple[dict[str, jax.Array], None]:
     # One key for all stacks: each table's rows are those of
     # `collection.init(key)`, whatever the plan.
     values = (self.collection.init(hk.next_rng_key()) if hk.running_init()
@@ -222,33 +223,10 @@ class EmbedCollection(hk.Module):
 
     return {s.name: hk.get_parameter(s.name, (s.rows, s.width), s.dtype,
                                      init=init(s.name))
-            for s in self.collection.plan}
+            for s in self.collection.plan}, None
 
-  def __call__(self, ids_by_feature: Mapping[str, ArrayLike], *,
-               lengths: Optional[Mapping[str, ArrayLike]] = None,
-               masks: Optional[Mapping[str, ArrayLike]] = None,
-               weights: Optional[Mapping[str, ArrayLike]] = None
-               ) -> dict[str, jax.Array]:
-    """Each feature's rows (`EmbeddingCollection.lookup`).
-
-    Args:
-      ids_by_feature: `{feature name: integer ids}`, for some or all
-        features.
-      lengths: optional `{bag feature: [batch] lengths}`.
-      masks: optional `{bag feature: boolean [batch, max_len]}`.
-      weights: optional `{bag feature: [batch, max_len] weights}`.
-
-    Returns:
-      `{feature name: array}`: `ids.shape + (width,)` for single ids,
-      `[batch, width]` for bags.
-    """
-    return self.collection.lookup(self._stacks(), ids_by_feature,
-                                  lengths=lengths, masks=masks,
-                                  weights=weights)
-
-  def tables(self) -> dict[str, jax.Array]:
-    """Each table by name (`EmbeddingCollection.tables`)."""
-    return self.collection.tables(self._stacks())
+  __call__ = collection_layer.lookup
+  tables = collection_layer.tables
 
 
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------

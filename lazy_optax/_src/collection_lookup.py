@@ -147,11 +147,8 @@ def read_stack(table: ArrayLike, stack: Stack, slots: Sequence[_Slots],
   out = {}
   parts = jax.lax.split(rows, [len(run) * run[0].ids.size for run in runs])
   for run, part in zip(runs, parts):
-    # Example-major, each example's features side by side: feature j is
-    # columns [j * width, (j + 1) * width), split with `lax.split` (whose
-    # gradient is one concatenation), so that a model concatenating the
-    # features in order gets the gathered rows as they are, as from one
-    # table with ids offset by hand.
+    # Example-major (module doc): feature j is columns [j * width,
+    # (j + 1) * width), split with `lax.split` (its gradient: one concat).
     width = rows.shape[-1]
     part = part.reshape(run[0].ids.shape + (len(run) * width,))
     columns = jax.lax.split(part, [width] * len(run), axis=part.ndim - 1)
