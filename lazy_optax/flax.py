@@ -43,6 +43,7 @@ from lazy_optax._src import collection_layer
 from lazy_optax._src import lookups
 from lazy_optax._src.collection import check_collection
 from lazy_optax._src.collection import EmbeddingCollection
+from lazy_optax._src.collection_plan import default_initializer
 from lazy_optax._src.grads import value_and_grad
 from lazy_optax._src.id_table import check_id_table
 from lazy_optax._src.id_table import FreshRows
@@ -465,8 +466,7 @@ class _HashEmbedTable(nn.Module):
   features: int
   dtype: Optional[DTypeLike] = None
   param_dtype: DTypeLike = jnp.float32
-  embedding_init: Callable[..., jax.Array] = nn.initializers.variance_scaling(
-      1.0, 'fan_in', 'normal', out_axis=0)
+  embedding_init: Callable[..., jax.Array] = default_initializer
 
   def setup(self):
     check_id_table(self.table, 'lazy_optax.flax.HashEmbed')

@@ -155,13 +155,10 @@ def _row_ids(like: jax.Array) -> jax.Array:
   row ids sharded the same way (Auto axes and one device need nothing).
   """
   ids = jnp.arange(like.shape[0])
-  typeof = getattr(jax, 'typeof', None)
-  sharding = getattr(typeof(like), 'sharding', None) if typeof else None
-  mesh = getattr(sharding, 'mesh', None)
-  if (sharding is None or mesh is None or mesh.empty
-      or not getattr(mesh, 'explicit_axes', ())):
+  mesh = _sharding.explicit_mesh(like)
+  if mesh is None:
     return ids
-  spec = sharding.spec
+  spec = jax.typeof(like).sharding.spec
   return jax.sharding.reshard(ids, jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(spec[0] if len(spec) else None)))
 
