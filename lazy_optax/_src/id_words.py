@@ -77,7 +77,7 @@ def split_ids(ids: Union[jax.typing.ArrayLike, Sequence[int]], *,
   _check_not_bool(ids, where, name)
   if isinstance(ids, (jax.Array, jax.core.Tracer)):
     _check_ids(ids, _dtype_of(ids), where, name, ids_are_32bit)
-    return _split_jax(ids)
+    return split_jax(ids)
   host = np.asarray(ids)
   if host.dtype == object:
     try:
@@ -178,7 +178,7 @@ def _check_fits_32bit(host: np.ndarray, where: str, name: str) -> None:
         'lazy_optax.split_ids words instead.')
 
 
-def _split_jax(ids: jax.Array) -> jax.Array:
+def split_jax(ids: jax.Array) -> jax.Array:
   dtype = jnp.dtype(ids.dtype)
   if dtype.itemsize == 8:
     wide = jax.lax.bitcast_convert_type(ids, jnp.uint64) if (
@@ -263,7 +263,7 @@ def to_words(raw_ids: object, where: str, *, ids_are_32bit: bool = False
     return _words_in(raw_ids, where)
   _check_ids(raw_ids, dtype, where, name, ids_are_32bit)
   # Concrete ids are split on the host, before any cast to JAX's int32.
-  words = (_split_jax(raw_ids) if isinstance(raw_ids, jax.core.Tracer)
+  words = (split_jax(raw_ids) if isinstance(raw_ids, jax.core.Tracer)
            else jnp.asarray(_split_host(np.asarray(raw_ids))))
   shape = tuple(words.shape[:-1])
   return words.reshape(-1, 2), shape
