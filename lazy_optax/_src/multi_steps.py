@@ -217,21 +217,15 @@ def _lazy_choices(inner: optax.GradientTransformationExtraArgs,
   return {choice.parameter: choice for choice in log}
 
 
-def _select(emit: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-  """`new` if `emit`, else `old` (key arrays through their data)."""
+def _select(emit: jax.Array, new: jax.Array,
+            old: Optional[jax.Array] = None) -> jax.Array:
+  """`new` if `emit`, else `old` or zeros (key arrays through their data)."""
   if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
-    return jax.random.wrap_key_data(
-        jnp.where(emit, jax.random.key_data(new), jax.random.key_data(old)),
-        impl=jax.random.key_impl(new))
-  return jnp.where(emit, new, old)
-
-
-def _zeros_of(x: jax.Array) -> jax.Array:
-  """Zeros shaped as `x` (a key array's data zeroed)."""
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    return jax.random.wrap_key_data(
-        jnp.zeros_like(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-  return jnp.zeros(x.shape, x.dtype)
+    data = jax.random.key_data(new)
+    other = jnp.zeros_like(data) if old is None else jax.random.key_data(old)
+    return jax.random.wrap_key_data(jnp.where(emit, data, other),
+                                    impl=jax.random.key_impl(new))
+  return jnp.where(emit, new, jnp.zeros_like(new) if old is None else old)
 
 
 def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
@@ -285,7 +279,7 @@ def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
     # A table's row-sparse update names only rows of the masked gradient:
     # none on a step that does not emit. Dense updates are zeroed.
     zeroed = jax.tree.map(
-        lambda n: n if is_sparse_rows(n) else _select(emit, n, _zeros_of(n)),
+        lambda n: n if is_sparse_rows(n) else _select(emit, n),
         new_updates, is_leaf=is_sparse_rows)
     return zeroed, jax.tree.unflatten(state_def, kept)
 
