@@ -378,16 +378,7 @@ def claim_rounds(table: IdTable, ids: jax.Array, last_seen: jax.Array,
                  sketch: Optional[jax.Array], seen: Optional[jax.Array],
                  words: jax.Array, win: Windows, admitted: jax.Array,
                  now: jax.Array) -> Claims:
-  """Step 4: admitted ids claim slots in `table.rounds` rounds.
-
-  In each round every unplaced id picks its best slot among those of its
-  window not seen at this step (free first, then the policy's victim, ties
-  to the earlier slot). Under `admission='frequency'` an id whose pick
-  holds a live id (a victim) takes it only when the sketch counts it more
-  often than the victim, else it is declined (no further round). Several
-  ids picking one slot are resolved by id value (the smallest wins) through
-  a scatter-max into the claim scratch, cleared where it was written.
-  Losers try again in the next round.
+  """Step 4: admitted ids claim slots in `table.rounds` rounds (module doc).
 
   Args:
     table: the `IdTable`.
