@@ -128,13 +128,6 @@ def _stack_active(runs: Sequence[Sequence[_Slots]]) -> Optional[jax.Array]:
       for run, p in zip(runs, parts)])
 
 
-def _pool(s: _Slots, rows: jax.Array) -> jax.Array:
-  """A feature's rows as `lookup` or `lookup_bag` return them."""
-  if s.spec.mode is None or s.active is None:
-    return rows
-  return lookups.pool(rows, s.active, s.weights, s.spec.mode)
-
-
 def read_stack(table: ArrayLike, stack: Stack, slots: Sequence[_Slots],
                dtype: Optional[DTypeLike]) -> dict[str, jax.Array]:
   """Every feature of one stack, in one gather of `table` (the stack)."""
@@ -153,7 +146,9 @@ def read_stack(table: ArrayLike, stack: Stack, slots: Sequence[_Slots],
     part = part.reshape(run[0].ids.shape + (len(run) * width,))
     columns = jax.lax.split(part, [width] * len(run), axis=part.ndim - 1)
     for s, column in zip(run, columns):
-      out[s.spec.name] = _pool(s, column)
+      out[s.spec.name] = (column if s.spec.mode is None or s.active is None
+                          else lookups.pool(column, s.active, s.weights,
+                                            s.spec.mode))
   return out
 
 

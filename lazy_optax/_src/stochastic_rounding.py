@@ -136,11 +136,6 @@ def _kernel_rounds(param: jax.Array, ids: jax.Array, key: jax.Array,
           and row_ops.kernels_for(param, backend))
 
 
-def _leaf_key(key: jax.Array, step: ArrayLike, path: str) -> jax.Array:
-  key = jax.random.fold_in(key, jnp.asarray(step, jnp.uint32))
-  return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
-
-
 def _round_rows(exact: jax.Array, row_ids: jax.Array, key: jax.Array,
                 dtype: DTypeLike) -> jax.Array:
   """Rounds `exact[i]` with the bits of row `row_ids[i]`."""
@@ -173,7 +168,9 @@ def _add_rounded(path: jax.tree_util.KeyPath, param: Optional[ArrayLike],
   if not rounds_stochastically(param.dtype):
     # Keyed by the path's name, so that apply_updates' messages name it.
     return apply_updates({name: param}, {name: update})[name]
-  leaf_key = _leaf_key(key, step, name)
+  leaf_key = jax.random.fold_in(
+      jax.random.fold_in(key, jnp.asarray(step, jnp.uint32)),
+      zlib.crc32(name.encode()) & 0x7FFFFFFF)
   dtype = param.dtype
   if isinstance(update, SparseRows):
     if tuple(param.shape) != update.shape:

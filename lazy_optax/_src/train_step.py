@@ -61,10 +61,6 @@ def _lowered(step: Callable[..., object], args: Sequence[object],
   return lowered
 
 
-def _is_table(info: jax.stages.ArgInfo) -> bool:
-  return len(info.shape) >= 2 and jnp.issubdtype(info.dtype, jnp.inexact)
-
-
 def _nbytes(info: jax.stages.ArgInfo) -> int:
   size = 1
   for d in info.shape:
@@ -205,8 +201,9 @@ def warn_if_not_donated(step: Callable[..., object], *args: object,
   lowered = _lowered(step, args, kwargs)
   flat = jax.tree_util.tree_flatten_with_path(
       lowered.args_info, is_leaf=lambda x: isinstance(x, jax.stages.ArgInfo))[0]
-  tables = [(_arg_name(path), info) for path, info in flat
-            if isinstance(info, jax.stages.ArgInfo) and _is_table(info)]
+  tables = [(_arg_name(path), info) for path, info in flat  # 2+-d floats
+            if isinstance(info, jax.stages.ArgInfo) and len(info.shape) >= 2
+            and jnp.issubdtype(info.dtype, jnp.inexact)]
   missing = [(name, info) for name, info in tables if not info.donated]
   if missing:
     if _first_time(step):
