@@ -71,13 +71,6 @@ def _rows_of(table: ArrayLike) -> Optional[int]:
   return jnp.shape(table)[0] if jnp.ndim(table) else None
 
 
-def _check_table(table: ArrayLike, where: str) -> None:
-  if jnp.ndim(table) < 1:
-    raise ValueError(
-        f'{where}: the table must have at least one dimension (its rows), got '
-        f'shape {tuple(jnp.shape(table))}.')
-
-
 def check_in_range(ids: jax.Array, active: Optional[jax.Array],
                    num_rows: int, where: str) -> None:
   """Out-of-range ids of active slots raise a `ValueError` when concrete.
@@ -113,7 +106,10 @@ def _gather(table: ArrayLike, ids: jax.Array, active: Optional[jax.Array],
   if recorder is not None:
     path = recorder.name_of(table) or path
   where = where_of(caller, path)
-  _check_table(table, where)
+  if jnp.ndim(table) < 1:
+    raise ValueError(
+        f'{where}: the table must have at least one dimension (its rows), got '
+        f'shape {tuple(jnp.shape(table))}.')
   num_rows = jnp.shape(table)[0]
   check_in_range(ids, active, num_rows, where)
   if recorder is not None:
