@@ -68,20 +68,14 @@ def stack_arrays(collection: EmbeddingCollection,
 
 # -- scaling a stack's rows by their table's multiplier -----------------------
 
-def _row_factors(stack: Stack, multipliers: tuple[float, ...], ids: jax.Array
-                 ) -> jax.Array:
-  """The multiplier of each id's table (float32); ids outside: the last."""
-  starts = jnp.asarray(np.asarray(stack.offsets[1:], np.int64),
-                       ids.dtype)
-  table = jnp.sum(ids[:, None] >= starts[None, :], axis=1)
-  return jnp.asarray(multipliers, jnp.float32)[table]
-
-
 def _scaled_leaf(stack: Stack, multipliers: tuple[float, ...],
                  u: jax.Array | SparseRows) -> jax.Array | SparseRows:
   if isinstance(u, SparseRows):
     ids = u.safe_ids(f'updates of stack {stack.name}', report=False)
-    factor = _row_factors(stack, multipliers, ids)
+    # Each id's table's multiplier (ids outside: the last table's).
+    starts = jnp.asarray(np.asarray(stack.offsets[1:], np.int64), ids.dtype)
+    table = jnp.sum(ids[:, None] >= starts[None, :], axis=1)
+    factor = jnp.asarray(multipliers, jnp.float32)[table]
     factor = factor.reshape((-1,) + (1,) * (u.values.ndim - 1))
     values = (u.values.astype(jnp.float32) * factor).astype(u.values.dtype)
     return SparseRows.from_unique(ids, values, u.num_rows, distinct=True)

@@ -66,15 +66,6 @@ def _emptied(acc: Optional[jax.Array | RowBuffer],
   return jnp.where(emit, jnp.zeros_like(acc), acc)
 
 
-def _empty_buffer(param: ArrayLike, n: int, every_k: int) -> RowBuffer:
-  """A `RowBuffer` of `every_k * n` unfilled slots for the table `param`."""
-  num_rows = int(jnp.shape(param)[0])
-  ids = jnp.full((every_k * n,), num_rows, index_dtype(num_rows))
-  values = jnp.zeros((every_k * n,) + tuple(jnp.shape(param)[1:]),
-                     jnp.result_type(param))
-  return RowBuffer(ids, values)
-
-
 def _empty_acc(params: optax.Params, ids_per_step: Mapping[str, int],
                every_k: int) -> optax.Updates:
   """The accumulators of `params`, all empty: a `RowBuffer` per table.
@@ -88,9 +79,12 @@ def _empty_acc(params: optax.Params, ids_per_step: Mapping[str, int],
     if p is None:
       return None
     name = path_name(path)
-    if name in ids_per_step:
+    if name in ids_per_step:  # `every_k * n` unfilled slots
       found.add(name)
-      return _empty_buffer(p, ids_per_step[name], every_k)
+      size, num_rows = every_k * ids_per_step[name], int(jnp.shape(p)[0])
+      return RowBuffer(
+          jnp.full((size,), num_rows, index_dtype(num_rows)),
+          jnp.zeros((size, *jnp.shape(p)[1:]), jnp.result_type(p)))
     return jnp.zeros(jnp.shape(p), jnp.result_type(p))
 
   acc = jax.tree_util.tree_map_with_path(acc_for, params,

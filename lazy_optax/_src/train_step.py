@@ -87,11 +87,6 @@ _HLO_TYPES = {'float32': 'f32', 'bfloat16': 'bf16', 'float16': 'f16',
               'float64': 'f64', 'complex64': 'c64', 'complex128': 'c128'}
 
 
-def _hlo_shape(info: jax.stages.ArgInfo) -> str:
-  name = _HLO_TYPES.get(jnp.dtype(info.dtype).name, jnp.dtype(info.dtype).name)
-  return f'{name}[{",".join(str(int(d)) for d in info.shape)}]'
-
-
 # Copies of smaller arrays (a layout change of a small kernel) are not
 # worth a warning.
 COPY_WARN_BYTES = 2**20
@@ -108,7 +103,10 @@ def _table_copies(hlo: str, tables: Sequence[tuple[str, jax.stages.ArgInfo]]
   by_shape: dict[str, list[tuple[str, int]]] = {}
   for name, info in tables:
     if _nbytes(info) >= COPY_WARN_BYTES:
-      by_shape.setdefault(_hlo_shape(info), []).append((name, _nbytes(info)))
+      dtype = jnp.dtype(info.dtype).name
+      dims = ','.join(str(int(d)) for d in info.shape)
+      by_shape.setdefault(f'{_HLO_TYPES.get(dtype, dtype)}[{dims}]',
+                          []).append((name, _nbytes(info)))
   found = []
   for line, in_branch in _copies(hlo):
     result = line.split('=', 1)[-1].strip().split('{', 1)[0].split(' ')[0]
