@@ -251,19 +251,6 @@ def _write_rows(leaf: jax.Array, slots: jax.Array,
                             **_sharding.scatter_kwargs(leaf))
 
 
-def _initial_rows(init: Optional[Callable[..., jax.Array]],
-                  key: Optional[jax.typing.ArrayLike], name: str,
-                  table: jax.Array, slots: jax.Array, ids: jax.Array
-                  ) -> jax.Array:
-  """`table`'s fresh rows for `slots` (ids `ids`): `init`'s, or zeros."""
-  row_shape = tuple(jnp.shape(table)[1:])
-  dtype = jnp.result_type(table)
-  if init is None:
-    return jnp.zeros((slots.shape[0], *row_shape), dtype)
-  assert key is not None  # reset_rows refuses an init without a key
-  return fresh_rows(init, key, ids, row_shape, dtype, name).astype(dtype)
-
-
 def _reset_tables(plan: _Plan, start: int, size: int,
                   table_leaves: tuple[jax.Array, ...]
                   ) -> tuple[tuple[jax.Array, ...], list[jax.Array],
@@ -279,11 +266,16 @@ def _reset_tables(plan: _Plan, start: int, size: int,
   chunk_slots = {}
   for k, pos in enumerate(plan.packed):
     slots, ids, _ = plan.packed[pos]
-    slots = slots[start:start + size]
-    ids = ids[start:start + size]
+    slots, ids = slots[start:start + size], ids[start:start + size]
     chunk_slots[pos] = slots
-    rows = _initial_rows(plan.init, plan.key, plan.names[pos],
-                         plan.leaves[pos], slots, ids)
+    row_shape = tuple(jnp.shape(plan.leaves[pos])[1:])
+    dtype = jnp.result_type(plan.leaves[pos])
+    if plan.init is None:
+      rows = jnp.zeros((slots.shape[0], *row_shape), dtype)
+    else:
+      assert plan.key is not None  # reset_rows refuses an init without a key
+      rows = fresh_rows(plan.init, plan.key, ids, row_shape, dtype,
+                        plan.names[pos]).astype(dtype)
     stand_in[pos] = rows
     tables[k] = _write_rows(tables[k], slots, rows)
   return tuple(tables), stand_in, chunk_slots
