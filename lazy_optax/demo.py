@@ -232,18 +232,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
       prog='python -m lazy_optax.demo',
       description=__doc__.split('\n\n')[0])
-  parser.add_argument('--steps', type=_positive('--steps'), default=150,
-                      help='train steps of each optimizer (default 150)')
-  parser.add_argument('--table-rows', type=_positive('--table-rows'),
-                      default=200_000,
-                      help='rows of each of the two embedding tables; must '
-                      'hold the vocabulary (default 200000)')
-  parser.add_argument('--dim', type=_positive('--dim'), default=32,
-                      help='embedding size (default 32)')
-  parser.add_argument('--batch', type=_positive('--batch'), default=512,
-                      help='skip-gram pairs per step (default 512)')
-  parser.add_argument('--negatives', type=_positive('--negatives'),
-                      default=4, help='negative words per pair (default 4)')
+  for flag, default, what in (
+      ('--steps', 150, 'train steps of each optimizer'),
+      ('--table-rows', 200_000, 'rows of each of the two embedding tables; '
+       'must hold the vocabulary'),
+      ('--dim', 32, 'embedding size'),
+      ('--batch', 512, 'skip-gram pairs per step'),
+      ('--negatives', 4, 'negative words per pair')):
+    parser.add_argument(flag, type=_positive(flag), default=default,
+                        help=f'{what} (default {default})')
   parser.add_argument('--lr', type=_positive_float, default=1e-2,
                       help='learning rate of both optimizers (default 0.01)')
   parser.add_argument('--text', metavar='FILE', default=None,

@@ -48,6 +48,7 @@ from lazy_optax._src import collection as _collection
 from lazy_optax._src import lookups
 from lazy_optax._src.apply import apply_updates as _apply_updates
 from lazy_optax._src.grads import value_and_grad
+from lazy_optax._src.id_table import check_id_table
 from lazy_optax._src.id_table import IdTable
 from lazy_optax._src.sparse_rows import is_sparse_rows
 
@@ -326,10 +327,7 @@ class EmbeddingCollection(eqx.Module):
       key: a `jax.random` key for `collection.init`.
     """
     where = 'lazy_optax.equinox.EmbeddingCollection'
-    if not isinstance(collection, _collection.EmbeddingCollection):
-      raise TypeError(f'{where}: collection must be a '
-                      'lazy_optax.EmbeddingCollection, got '
-                      f'{type(collection).__name__}.')
+    _collection.check_collection(collection, where)
     if stacks is None and key is not None:
       self.stacks = collection.init(key)
     elif stacks is not None and key is None:
@@ -368,13 +366,6 @@ class EmbeddingCollection(eqx.Module):
 
 
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
-
-def _check_id_table(table: object, where: str) -> IdTable:
-  if not isinstance(table, IdTable):
-    raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
-                    f'{type(table).__name__}.')
-  return table
-
 
 class HashEmbedding(Embedding):
   """Rows of a `lazy_optax.IdTable`'s slots, in Equinox.
@@ -416,7 +407,7 @@ class HashEmbedding(Embedding):
       dtype: the table's dtype.
       key: a `jax.random` key for the initial table.
     """
-    table = _check_id_table(table, 'lazy_optax.equinox.HashEmbedding')
+    table = check_id_table(table, 'lazy_optax.equinox.HashEmbedding')
     super().__init__(None if weight is not None else table.capacity,
                      None if weight is not None else embedding_size, weight,
                      dtype, padding_id=table.capacity, key=key)
@@ -456,7 +447,7 @@ class HashEmbeddingBag(EmbeddingBag):
       mode: `'sum'`, `'mean'` (default) or `'max'`.
       key: a `jax.random` key for the initial table.
     """
-    table = _check_id_table(table, 'lazy_optax.equinox.HashEmbeddingBag')
+    table = check_id_table(table, 'lazy_optax.equinox.HashEmbeddingBag')
     super().__init__(None if weight is not None else table.capacity,
                      None if weight is not None else embedding_size, weight,
                      dtype, mode=mode, padding_id=table.capacity, key=key)

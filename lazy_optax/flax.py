@@ -39,9 +39,13 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 
+from lazy_optax._src import collection_layer
 from lazy_optax._src import lookups
+from lazy_optax._src.collection import check_collection
 from lazy_optax._src.collection import EmbeddingCollection
+from lazy_optax._src.collection_plan import default_initializer
 from lazy_optax._src.grads import value_and_grad
+from lazy_optax._src.id_table import check_id_table
 from lazy_optax._src.id_table import FreshRows
 from lazy_optax._src.id_table import IdTable
 from lazy_optax._src.reset_rows import reset_rows
@@ -248,9 +252,7 @@ class NnxEmbedBag(NnxEmbed):
                      **kwargs)
     self.mode = mode
 
-  # Bags take `mask`, `lengths` and `per_sample_weights` where `NnxEmbed`
-  # takes `out_sharding`: an `NnxEmbedBag` shares `NnxEmbed`'s parameter, not
-  # its call.
+  # A bag shares `NnxEmbed`'s parameter, not its call (`out_sharding`).
   def __call__(  # type: ignore[override]
       self, inputs: ArrayLike, mask: Optional[ArrayLike] = None,
       lengths: Optional[ArrayLike] = None,
@@ -334,14 +336,6 @@ def nnx_value_and_grad(
 
 # -- many tables as one (lazy_optax.EmbeddingCollection) ----------------------
 
-def _check_collection(collection: object, where: str) -> EmbeddingCollection:
-  if not isinstance(collection, EmbeddingCollection):
-    raise TypeError(f'{where}: collection must be a '
-                    'lazy_optax.EmbeddingCollection, got '
-                    f'{type(collection).__name__}.')
-  return collection
-
-
 class EmbedCollection(nn.Module):
   """A `lazy_optax.EmbeddingCollection`'s tables, in Flax linen.
 
@@ -388,7 +382,7 @@ class EmbedCollection(nn.Module):
   dtype: Optional[DTypeLike] = None
 
   def setup(self):
-    coll = _check_collection(self.collection,
+    coll = check_collection(self.collection,
                              'lazy_optax.flax.EmbedCollection')
     # One key for all stacks: each table's rows are those of
     # `collection.init(key)`, whatever the plan.
@@ -401,32 +395,11 @@ class EmbedCollection(nn.Module):
     self.stacks = {s.name: self.param(s.name, init, s.name)
                    for s in coll.plan}
 
-  def __call__(self, ids_by_feature: Mapping[str, ArrayLike], *,
-               lengths: Optional[Mapping[str, ArrayLike]] = None,
-               masks: Optional[Mapping[str, ArrayLike]] = None,
-               weights: Optional[Mapping[str, ArrayLike]] = None
-               ) -> dict[str, jax.Array]:
-    """Each feature's rows (`EmbeddingCollection.lookup`).
+  def _lookup_stacks(self) -> tuple[dict[str, jax.Array], Optional[DTypeLike]]:
+    return self.stacks, self.dtype
 
-    Args:
-      ids_by_feature: `{feature name: integer ids}`, for some or all
-        features.
-      lengths: optional `{bag feature: [batch] lengths}`.
-      masks: optional `{bag feature: boolean [batch, max_len]}`.
-      weights: optional `{bag feature: [batch, max_len] weights}`.
-
-    Returns:
-      `{feature name: array}`: `ids.shape + (width,)` for single ids,
-      `[batch, width]` for bags.
-    """
-    return self.collection.lookup(self.stacks, ids_by_feature,
-                                  lengths=lengths, masks=masks,
-                                  weights=weights, dtype=self.dtype)
-
-  def tables(self) -> dict[str, jax.Array]:
-    """Each table by name (`EmbeddingCollection.tables`): `apply(...,
-    method='tables')`."""
-    return self.collection.tables(self.stacks)
+  __call__ = collection_layer.lookup
+  tables = collection_layer.tables  # apply(..., method='tables')
 
 
 class NnxEmbedCollection(nnx.Module):
@@ -471,50 +444,20 @@ class NnxEmbedCollection(nnx.Module):
       dtype: optional dtype of the returned rows.
       rngs: its `params` stream gives the key of `collection.init`.
     """
-    self.collection = _check_collection(
+    self.collection = check_collection(
         collection, 'lazy_optax.flax.NnxEmbedCollection')
     self.dtype = dtype
     self.stacks = nnx.Dict({name: nnx.Param(value) for name, value in
                             collection.init(rngs.params()).items()})
 
-  def _values(self) -> dict[str, jax.Array]:
-    return {name: param[...] for name, param in self.stacks.items()}
+  def _lookup_stacks(self) -> tuple[dict[str, jax.Array], Optional[DTypeLike]]:
+    return {name: p[...] for name, p in self.stacks.items()}, self.dtype
 
-  def __call__(self, ids_by_feature: Mapping[str, ArrayLike], *,
-               lengths: Optional[Mapping[str, ArrayLike]] = None,
-               masks: Optional[Mapping[str, ArrayLike]] = None,
-               weights: Optional[Mapping[str, ArrayLike]] = None
-               ) -> dict[str, jax.Array]:
-    """Each feature's rows (`EmbeddingCollection.lookup`).
-
-    Args:
-      ids_by_feature: `{feature name: integer ids}`, for some or all
-        features.
-      lengths: optional `{bag feature: [batch] lengths}`.
-      masks: optional `{bag feature: boolean [batch, max_len]}`.
-      weights: optional `{bag feature: [batch, max_len] weights}`.
-
-    Returns:
-      `{feature name: array}`: `ids.shape + (width,)` for single ids,
-      `[batch, width]` for bags.
-    """
-    return self.collection.lookup(self._values(), ids_by_feature,
-                                  lengths=lengths, masks=masks,
-                                  weights=weights, dtype=self.dtype)
-
-  def tables(self) -> dict[str, jax.Array]:
-    """Each table by name (`EmbeddingCollection.tables`)."""
-    return self.collection.tables(self._values())
+  __call__ = collection_layer.lookup
+  tables = collection_layer.tables
 
 
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
-
-def _check_id_table(table: object, where: str) -> IdTable:
-  if not isinstance(table, IdTable):
-    raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
-                    f'{type(table).__name__}.')
-  return table
-
 
 class _HashEmbedTable(nn.Module):
   """The `[table.capacity, features]` parameter of the hashed-id layers."""
@@ -523,11 +466,10 @@ class _HashEmbedTable(nn.Module):
   features: int
   dtype: Optional[DTypeLike] = None
   param_dtype: DTypeLike = jnp.float32
-  embedding_init: Callable[..., jax.Array] = nn.initializers.variance_scaling(
-      1.0, 'fan_in', 'normal', out_axis=0)
+  embedding_init: Callable[..., jax.Array] = default_initializer
 
   def setup(self):
-    _check_id_table(self.table, 'lazy_optax.flax.HashEmbed')
+    check_id_table(self.table, 'lazy_optax.flax.HashEmbed')
     self.embedding = self.param('embedding', self.embedding_init,
                                 (self.table.capacity, self.features),
                                 self.param_dtype)
@@ -652,7 +594,7 @@ class NnxHashEmbed(NnxEmbed):
       **kwargs: `flax.nnx.Embed`'s other arguments (`rngs`, `dtype`,
         `embedding_init`...).
     """
-    table = _check_id_table(table, 'lazy_optax.flax.NnxHashEmbed')
+    table = check_id_table(table, 'lazy_optax.flax.NnxHashEmbed')
     super().__init__(table.capacity, features, padding_id=table.capacity,
                      **kwargs)
 
@@ -683,7 +625,7 @@ class NnxHashEmbedBag(NnxEmbedBag):
       mode: `'sum'`, `'mean'` (default) or `'max'`.
       **kwargs: `flax.nnx.Embed`'s other arguments (`rngs`, `dtype`, ...).
     """
-    table = _check_id_table(table, 'lazy_optax.flax.NnxHashEmbedBag')
+    table = check_id_table(table, 'lazy_optax.flax.NnxHashEmbedBag')
     super().__init__(table.capacity, features, mode=mode,
                      padding_id=table.capacity, **kwargs)
 

@@ -22,7 +22,7 @@ installed: `import lazy_optax` never imports Haiku.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 try:
   import haiku as hk
@@ -34,8 +34,11 @@ import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 
+from lazy_optax._src import collection_layer
 from lazy_optax._src import lookups
+from lazy_optax._src.collection import check_collection
 from lazy_optax._src.collection import EmbeddingCollection
+from lazy_optax._src.id_table import check_id_table
 from lazy_optax._src.id_table import IdTable
 
 
@@ -141,9 +144,7 @@ class EmbedBag(Embed):
     super().__init__(*args, padding_id=padding_id, **kwargs)
     self.mode = mode
 
-  # Bags take `mask`, `lengths` and `per_sample_weights` where `Embed` takes
-  # `lookup_style` and `precision`: an `EmbedBag` shares `Embed`'s parameter,
-  # not its call.
+  # A bag shares `Embed`'s parameter, not its call (`lookup_style`).
   def __call__(  # type: ignore[override]
       self, ids: ArrayLike | Sequence[int],
       mask: Optional[ArrayLike] = None,
@@ -208,13 +209,10 @@ class EmbedCollection(hk.Module):
       name: the module's name (default `'embed_collection'`).
     """
     super().__init__(name=name)
-    if not isinstance(collection, EmbeddingCollection):
-      raise TypeError('lazy_optax.haiku.EmbedCollection: collection must be '
-                      'a lazy_optax.EmbeddingCollection, got '
-                      f'{type(collection).__name__}.')
-    self.collection = collection
+    self.collection = check_collection(collection,
+                                       'lazy_optax.haiku.EmbedCollection')
 
-  def _stacks(self) -> dict[str, jax.Array]:
+  def _lookup_stacks(self) -> tuple[dict[str, jax.Array], None]:
     # One key for all stacks: each table's rows are those of
     # `collection.init(key)`, whatever the plan.
     values = (self.collection.init(hk.next_rng_key()) if hk.running_init()
@@ -225,43 +223,13 @@ class EmbedCollection(hk.Module):
 
     return {s.name: hk.get_parameter(s.name, (s.rows, s.width), s.dtype,
                                      init=init(s.name))
-            for s in self.collection.plan}
+            for s in self.collection.plan}, None
 
-  def __call__(self, ids_by_feature: Mapping[str, ArrayLike], *,
-               lengths: Optional[Mapping[str, ArrayLike]] = None,
-               masks: Optional[Mapping[str, ArrayLike]] = None,
-               weights: Optional[Mapping[str, ArrayLike]] = None
-               ) -> dict[str, jax.Array]:
-    """Each feature's rows (`EmbeddingCollection.lookup`).
-
-    Args:
-      ids_by_feature: `{feature name: integer ids}`, for some or all
-        features.
-      lengths: optional `{bag feature: [batch] lengths}`.
-      masks: optional `{bag feature: boolean [batch, max_len]}`.
-      weights: optional `{bag feature: [batch, max_len] weights}`.
-
-    Returns:
-      `{feature name: array}`: `ids.shape + (width,)` for single ids,
-      `[batch, width]` for bags.
-    """
-    return self.collection.lookup(self._stacks(), ids_by_feature,
-                                  lengths=lengths, masks=masks,
-                                  weights=weights)
-
-  def tables(self) -> dict[str, jax.Array]:
-    """Each table by name (`EmbeddingCollection.tables`)."""
-    return self.collection.tables(self._stacks())
+  __call__ = collection_layer.lookup
+  tables = collection_layer.tables
 
 
 # -- tables of hashed ids (lazy_optax.IdTable) ---------------------------------
-
-def _check_id_table(table: object, where: str) -> IdTable:
-  if not isinstance(table, IdTable):
-    raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
-                    f'{type(table).__name__}.')
-  return table
-
 
 class HashEmbed(Embed):
   """Rows of a `lazy_optax.IdTable`'s slots, in Haiku.
@@ -295,7 +263,7 @@ class HashEmbed(Embed):
       embed_dim: the row size.
       **kwargs: `hk.Embed`'s keyword arguments (`name`, `w_init`, ...).
     """
-    table = _check_id_table(table, 'lazy_optax.haiku.HashEmbed')
+    table = check_id_table(table, 'lazy_optax.haiku.HashEmbed')
     super().__init__(table.capacity, embed_dim, padding_id=table.capacity,
                      **kwargs)
 
@@ -327,7 +295,7 @@ class HashEmbedBag(EmbedBag):
       mode: `'sum'`, `'mean'` (default) or `'max'`.
       **kwargs: `hk.Embed`'s keyword arguments (`name`, `w_init`, ...).
     """
-    table = _check_id_table(table, 'lazy_optax.haiku.HashEmbedBag')
+    table = check_id_table(table, 'lazy_optax.haiku.HashEmbedBag')
     super().__init__(table.capacity, embed_dim, mode=mode,
                      padding_id=table.capacity, **kwargs)
 

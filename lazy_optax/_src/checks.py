@@ -67,8 +67,9 @@ def check_ids_in_range(tree: chex.ArrayTree) -> None:
     decoded = leaf.decoded()
     damaged = id_code.damaged(decoded, leaf.values)
     _check(~jnp.any(damaged),
-           validate.damaged_ids_message(_braces(where), '{count}',
-                                        leaf.num_ids),
+           validate.damaged_ids_message(
+               where.replace('{', '{{').replace('}', '}}'), '{count}',
+               leaf.num_ids),
            count=jnp.sum(damaged))
     ids = decoded.ids
     # Id num_rows is the slot that names no row (padding, masked bag slots,
@@ -133,10 +134,6 @@ def check_id_table_room(no_room: jax.Array, live: jax.Array,
       what='IdTable(checked=True)',
       alternative=', or drop checked=True',
       no_room=no_room, live=live)
-
-
-def _braces(text: str) -> str:
-  return text.replace('{', '{{').replace('}', '}}')
 
 
 def with_id_checks(

@@ -420,3 +420,12 @@ class EmbeddingCollection:
   def __str__(self) -> str:
     return f'EmbeddingCollection:\n{self.describe()}'
 
+
+
+def check_collection(collection: object, where: str) -> EmbeddingCollection:
+  """`collection`, refused unless an `EmbeddingCollection` (the layers')."""
+  if not isinstance(collection, EmbeddingCollection):
+    raise TypeError(f'{where}: collection must be a '
+                    'lazy_optax.EmbeddingCollection, got '
+                    f'{type(collection).__name__}.')
+  return collection

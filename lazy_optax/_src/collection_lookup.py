@@ -37,7 +37,6 @@ from lazy_optax._src import validate
 from lazy_optax._src.collection_plan import FeatureSpec
 from lazy_optax._src.collection_plan import Stack
 from lazy_optax._src.id_code import index_dtype
-from lazy_optax._src.numerics import broadcast_rows
 from lazy_optax._src.row_reads import in_range
 
 CALLER = 'EmbeddingCollection.lookup'
@@ -83,12 +82,9 @@ def feature_slots(
   if spec.mode is None:
     active = lookups.not_padding(ids, spec.padding_id, where)
   else:
-    lookups._check_bag_args(ids, spec.mode, given.get('masks'),  # pylint: disable=protected-access
-                            given.get('lengths'), where)
-    active = lookups._bag_members(ids, given.get('masks'),  # pylint: disable=protected-access
-                                  given.get('lengths'), spec.padding_id, where)
-    weights = lookups._bag_weights(given.get('weights'), ids, spec.mode,  # pylint: disable=protected-access
-                                   where)
+    active, weights = lookups.bag_slots(
+        ids, spec.mode, given.get('masks'), given.get('lengths'),
+        given.get('weights'), spec.padding_id, where)
   lookups.check_in_range(ids, active, rows, where)
   return _Slots(spec, ids, active, weights, offset, rows)
 
@@ -132,17 +128,6 @@ def _stack_active(runs: Sequence[Sequence[_Slots]]) -> Optional[jax.Array]:
       for run, p in zip(runs, parts)])
 
 
-def _pool(s: _Slots, rows: jax.Array) -> jax.Array:
-  """A feature's rows as `lookup` or `lookup_bag` return them."""
-  if s.spec.mode is None or s.active is None:
-    return rows
-  slot = broadcast_rows(s.active, rows)
-  if s.spec.mode == 'max':
-    return lookups._max_pool(rows, slot)  # pylint: disable=protected-access
-  return lookups._weighted_pool(rows, slot, s.active, s.weights,  # pylint: disable=protected-access
-                                s.spec.mode)
-
-
 def read_stack(table: ArrayLike, stack: Stack, slots: Sequence[_Slots],
                dtype: Optional[DTypeLike]) -> dict[str, jax.Array]:
   """Every feature of one stack, in one gather of `table` (the stack)."""
@@ -155,16 +140,15 @@ def read_stack(table: ArrayLike, stack: Stack, slots: Sequence[_Slots],
   out = {}
   parts = jax.lax.split(rows, [len(run) * run[0].ids.size for run in runs])
   for run, part in zip(runs, parts):
-    # Example-major, each example's features side by side: feature j is
-    # columns [j * width, (j + 1) * width), split with `lax.split` (whose
-    # gradient is one concatenation), so that a model concatenating the
-    # features in order gets the gathered rows as they are, as from one
-    # table with ids offset by hand.
+    # Example-major (module doc): feature j is columns [j * width,
+    # (j + 1) * width), split with `lax.split` (its gradient: one concat).
     width = rows.shape[-1]
     part = part.reshape(run[0].ids.shape + (len(run) * width,))
     columns = jax.lax.split(part, [width] * len(run), axis=part.ndim - 1)
     for s, column in zip(run, columns):
-      out[s.spec.name] = _pool(s, column)
+      out[s.spec.name] = (column if s.spec.mode is None or s.active is None
+                          else lookups.pool(column, s.active, s.weights,
+                                            s.spec.mode))
   return out
 
 

@@ -68,20 +68,14 @@ def stack_arrays(collection: EmbeddingCollection,
 
 # -- scaling a stack's rows by their table's multiplier -----------------------
 
-def _row_factors(stack: Stack, multipliers: tuple[float, ...], ids: jax.Array
-                 ) -> jax.Array:
-  """The multiplier of each id's table (float32); ids outside: the last."""
-  starts = jnp.asarray(np.asarray(stack.offsets[1:], np.int64),
-                       ids.dtype)
-  table = jnp.sum(ids[:, None] >= starts[None, :], axis=1)
-  return jnp.asarray(multipliers, jnp.float32)[table]
-
-
 def _scaled_leaf(stack: Stack, multipliers: tuple[float, ...],
                  u: jax.Array | SparseRows) -> jax.Array | SparseRows:
   if isinstance(u, SparseRows):
     ids = u.safe_ids(f'updates of stack {stack.name}', report=False)
-    factor = _row_factors(stack, multipliers, ids)
+    # Each id's table's multiplier (ids outside: the last table's).
+    starts = jnp.asarray(np.asarray(stack.offsets[1:], np.int64), ids.dtype)
+    table = jnp.sum(ids[:, None] >= starts[None, :], axis=1)
+    factor = jnp.asarray(multipliers, jnp.float32)[table]
     factor = factor.reshape((-1,) + (1,) * (u.values.ndim - 1))
     values = (u.values.astype(jnp.float32) * factor).astype(u.values.dtype)
     return SparseRows.from_unique(ids, values, u.num_rows, distinct=True)
@@ -143,10 +137,6 @@ def _transform(entry: Transform, label: str, where: str,
   return optax.chain(base, scale_rows_by_table(stack, multipliers))
 
 
-def _last_key(name: str) -> str:
-  return name.rsplit('/', 1)[-1]
-
-
 def collection_optimizer(collection: EmbeddingCollection,
                          transforms: Mapping[str, Transform],
                          by: str) -> optax.GradientTransformation:
@@ -173,7 +163,7 @@ def collection_optimizer(collection: EmbeddingCollection,
                             linear)
 
   def label_of(name: str) -> str:
-    key = _last_key(name)
+    key = name.rsplit('/', 1)[-1]
     if key not in txs:
       raise ValueError(f'EmbeddingCollection.optimizer: parameter {name} is '
                        f'not a {by} of the collection ({sorted(txs)}).')
@@ -285,7 +275,6 @@ def state_from_tables(collection: EmbeddingCollection, state: optax.OptState,
                                                     where))
     out[stack.name] = jax.tree.unflatten(treedef, new)
   return template._replace(inner_states=out)
-
 
 
 def fresh_rows(coll: EmbeddingCollection,

@@ -4,14 +4,9 @@ A `TableSpec` names a table (rows, width, dtype, initializer, optimizer
 label, learning-rate multiplier), a `FeatureSpec` a batch input that reads
 one table (single ids or bags). `make_plan` decides once, from the specs
 alone, which tables share a stacked array (a `Stack`) and where each
-table's rows start in it.
-
-The stacking rule: tables stack together when they have the same row width,
-dtype and optimizer label, and (unless the label is declared linear in the
-learning rate) the same learning-rate multiplier. Widths are never padded:
-tables of other widths get stacks of their own. `TableSpec.stack` forces a
-stack by name; its tables must then agree on all of the above, or the plan
-is refused naming them.
+table's rows start in it, by the stacking rule of `EmbeddingCollection`'s
+docstring (a stack forced by `TableSpec.stack` whose tables disagree on it
+is refused, naming them).
 """
 
 from __future__ import annotations

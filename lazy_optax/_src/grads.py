@@ -1,24 +1,8 @@
 """Row-sparse gradients from lookups: `value_and_grad` and its recorders.
 
-`jax.grad` of `table[ids]` is a dense `[num_rows, ...]` array, which already
-costs O(table) before any optimizer runs. `value_and_grad` differentiates
-with respect to the looked-up rows instead, in three steps:
-
-1. **Probe** (trace only, never run): trace the loss once with every
-   candidate table as a `jax.jvp` input. Each `lookup` of a table records the
-   shape of the rows it read, and reads them under `stop_gradient`, so a
-   table whose tangent still reaches the loss is used outside lookups (tied
-   output embeddings via `attend`, a norm penalty, or a lookup that received
-   the table through a transformation boundary).
-2. **Classify**: a table read only through lookups gets a row-sparse
-   gradient; one also used otherwise gets an ordinary dense gradient (which
-   includes its lookups' part); one whose lookups went through a
-   transformation boundary is refused.
-3. **Differentiate**: trace the loss again; each lookup of a row-sparse table
-   adds a zero perturbation of its rows' shape to the rows it read, the loss
-   is differentiated with respect to the other parameters and these
-   perturbations, and the table's gradient is
-   `SparseRows(ids, d loss / d perturbation, num_rows)`.
+`value_and_grad` differentiates with respect to the looked-up rows, not the
+table, in three steps (docs/design.md): probe the lookups (`_probe`),
+classify the tables (`_classify`), differentiate (`_differentiate`).
 
 Lookups inside `jax.lax.scan`, `jax.vmap`, `jax.checkpoint` (Flax's
 `nn.remat`) or a nested `jax.jit` cannot give row-sparse gradients. They are
@@ -257,15 +241,6 @@ def had_row_sparse_gradient(table: object) -> bool:
   return ref is not None and ref() is table
 
 
-def _sparse_rows(ids: jax.Array, values: jax.Array,
-                 num_rows: int, impl: str) -> SparseRows:
-  """The `SparseRows` gradient; slots may name `num_rows` (padding: no row).
-
-  Repeated ids are summed here, where the gradient is built.
-  """
-  return SparseRows.from_unique(ids, values, num_rows, impl=impl)
-
-
 def _zeros(struct: jax.ShapeDtypeStruct,
            axes: tuple[Hashable, ...]) -> jax.Array:
   zeros = jnp.zeros(struct.shape, struct.dtype)
@@ -321,8 +296,10 @@ def _differentiate(call: _Call, params: _Params, sparse: list[int],
     # the rows read (free at run time).
     values = row_ops.after(values, *reads[i],
                            backend=_backend.for_array(values, impl))
-    grads[i] = _sparse_rows(ids[i], values.astype(table.dtype),
-                            jnp.shape(table)[0], impl)
+    # Repeated ids are summed here, where the gradient is built; slots may
+    # name `num_rows` (padding: no row).
+    grads[i] = SparseRows.from_unique(ids[i], values.astype(table.dtype),
+                                      jnp.shape(table)[0], impl=impl)
   return loss, aux, jax.tree_util.tree_unflatten(params.treedef, grads)
 
 

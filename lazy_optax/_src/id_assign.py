@@ -1,19 +1,10 @@
 """The steps of `IdTable.assign`, each a small pure function of arrays.
 
 `id_pipeline.assign_xla` runs them in the order of `id_table`'s docstring:
-
-1. `probe_windows`: each id's window of slots, and the live ids found there;
-2. `expire`: the `ttl` wheel's ids that expire at this step;
-3. `admit`: the sketch's count of each missing id, and which are admitted;
-4. the claim rounds, a module of their own (`id_claims.claim_rounds`):
-   admitted ids claim slots, the smallest id winning; it reads windows with
-   `window`, `first`, `pick`, `decayed` and `estimate`;
-5. accounting: `representatives` (one position per slot), `renew_counts`
-   (`'lfu'`), `move_wheel` (`ttl`), `log_evictions` (for `export_changes`)
-   and `add_events` (the counters).
-
-`table` is the (static, frozen) `IdTable` whose fields configure a step.
-Everything here is batch-sized: no loop over ids, no table-sized array.
+1 `probe_windows`, 2 `expire`, 3 `admit`, 4 `id_claims.claim_rounds` (which
+reads windows with `window`, `first`, `pick`, `decayed` and `estimate`), 5
+`representatives`, `renew_counts`, `move_wheel`, `log_evictions` and
+`add_events`. Everything here is batch-sized.
 """
 
 from __future__ import annotations

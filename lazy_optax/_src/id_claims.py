@@ -1,18 +1,10 @@
 """Step 4 of `IdTable.assign`: admitted ids claim slots, smallest id wins.
 
-`claim_rounds` runs `table.rounds` claim rounds. In each round every unplaced
-id picks its best slot among those of its window not seen at this step
-(`choose_slots`): free slots (empty, or expired under `ttl`) first, then the
-policy's victim (`'lfu'`: the lowest decayed count, then the least recently
-seen; `'lru'`: the least recently seen; `'none'`: no victim), ties to the
-earlier slot. Under `admission='frequency'` an id whose pick holds a live id
-(a victim) takes it only when the sketch counts it more often than the
-victim, else it is declined: no row at this step, no further round
-(`guard`). Several ids picking one slot are resolved by id value (the
-smallest wins) through a scatter-max into the claim scratch, cleared where
-it was written (`resolve`), so the result depends on the set of ids only.
-Losers try again in the next round; ids left without a slot (stuck, or
-losers of every round) have no room (`Claims`).
+`claim_rounds` runs `table.rounds` claim rounds, as step 4 of `id_table`'s
+docstring describes them: each unplaced id picks its best slot
+(`choose_slots`), the frequency guard may decline it (`guard`), and the
+smallest id wins a slot picked by several (`resolve`); ids left without a
+slot have no room (`Claims`).
 
 `run_rounds` runs the rounds (`claim_round`, then `merge` into the
 `RoundCarry`). On the CPU a round skips work (`one_round_skipping`): it runs
@@ -142,17 +134,9 @@ class RoundResult(NamedTuple):
 
 
 class RoundCarry(NamedTuple):
-  """What the claim rounds carry from one round to the next.
-
-  Attributes:
-    tables: the `ClaimTables`, winners written.
-    placed: int32 `[N]`, the slot each id won (`capacity`: none yet).
-    placed_j: int32 `[N]`, its position in the id's window.
-    pending: bool `[N]`, ids still to claim a slot.
-    stuck: bool `[N]`, ids that found no slot to claim in some round.
-    blocked: bool `[N]`, ids refused by a full window under `'none'`.
-    declined: bool `[N]`, ids declined by the frequency guard.
-  """
+  """What the claim rounds carry from one round to the next: the
+  `ClaimTables` (winners written) and `Claims`' per-id fields so far, with
+  `stuck`, the ids that found no slot to claim in some round."""
   tables: ClaimTables
   placed: jax.Array
   placed_j: jax.Array
@@ -394,16 +378,7 @@ def claim_rounds(table: IdTable, ids: jax.Array, last_seen: jax.Array,
                  sketch: Optional[jax.Array], seen: Optional[jax.Array],
                  words: jax.Array, win: Windows, admitted: jax.Array,
                  now: jax.Array) -> Claims:
-  """Step 4: admitted ids claim slots in `table.rounds` rounds.
-
-  In each round every unplaced id picks its best slot among those of its
-  window not seen at this step (free first, then the policy's victim, ties
-  to the earlier slot). Under `admission='frequency'` an id whose pick
-  holds a live id (a victim) takes it only when the sketch counts it more
-  often than the victim, else it is declined (no further round). Several
-  ids picking one slot are resolved by id value (the smallest wins) through
-  a scatter-max into the claim scratch, cleared where it was written.
-  Losers try again in the next round.
+  """Step 4: admitted ids claim slots in `table.rounds` rounds (module doc).
 
   Args:
     table: the `IdTable`.

@@ -23,6 +23,8 @@ import jax
 from jax.extend import random as jax_random
 import jax.numpy as jnp
 
+from lazy_optax._src import id_words
+
 _GOLDEN = 0x9E3779B9
 _SALT_HOME = 0x243F6A88
 _SALT_SKETCH = 0x85A308D3
@@ -72,18 +74,7 @@ def _bits(key: jax.Array, counter: jax.Array) -> jax.Array:
 
 
 def _seed(seed: jax.Array) -> jax.Array:
-  seed = jnp.asarray(seed)
-  if jnp.dtype(seed.dtype).itemsize == 8:
-    wide = seed.astype(jnp.uint64)
-    high = (wide >> 32).astype(jnp.uint32)
-    low = (wide & 0xFFFFFFFF).astype(jnp.uint32)
-  else:
-    high = jnp.where(seed < 0, _u32(0xFFFFFFFF), _u32(0)) if (
-        jnp.issubdtype(seed.dtype, jnp.signedinteger)) else _u32(0)
-    low = seed.astype(jnp.int32).astype(jnp.uint32) if (
-        jnp.issubdtype(seed.dtype, jnp.signedinteger)) else seed.astype(
-            jnp.uint32)
-  first = mix32(low ^ mix32(high ^ _u32(_SALT_KEY0)))
+  first = hash_words(id_words.split_jax(jnp.asarray(seed)), _SALT_KEY0)
   return jnp.stack([first, mix32(first ^ _u32(_SALT_KEY1))])
 
 

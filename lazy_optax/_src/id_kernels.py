@@ -78,18 +78,7 @@ def _attributes(table: IdTable) -> dict[str, Union[int, bool]]:
 def assign(table: IdTable, state: IdTableState, words: jax.Array,
            now: jax.Array
            ) -> tuple[jax.Array, IdTableState, jax.Array, jax.Array]:
-  """One `assign` call through the kernel.
-
-  Args:
-    table: the `IdTable` (`usable` must hold).
-    state: its `IdTableState`.
-    words: the batch's `uint32[N, 2]` id words.
-    now: the step (int32 scalar).
-
-  Returns:
-    `(slots, state, fresh_slots, no_room)`, as `IdTable._assign` returns
-    them (`fresh_slots` the `FreshRows` slots).
-  """
+  """`id_pipeline.assign_xla` through the kernel (`usable` must hold)."""
   n = words.shape[0]
   parts = (state.ids, state.last_seen,
            _or_stand_in(state.counts, _NO_INT),

@@ -1,19 +1,10 @@
 """The XLA path of `IdTable.assign`: its steps in order, one batch.
 
 `assign_xla` runs the steps of `id_table`'s docstring on a batch of id
-words: `_place` steps 1 to 4 (`id_assign.probe_windows`, `id_assign.expire`,
-`id_assign.admit`, then `id_claims.claim_rounds` with the hits marked seen,
-`_mark_hits`), and `_account` step 5 (one representative position per slot,
-the `'lfu'` counts, the `ttl` wheel, the eviction log from the slots' old
-owners, the counters), which builds the new state with the old one's
-dtypes. The steps live in `id_assign` (1 to 3, 5) and `id_claims` (4); this
-module only wires them, so it imports both and `id_table` imports it (the
-state's classes are named here for type checking only: the new state is
-`state._replace(...)`, the fresh slots go back as an array, as
-`id_kernels.assign` returns them, and `IdTable` wraps them in `FreshRows`).
-
-`table` is the (static, frozen) `IdTable`. Everything here is batch-sized:
-no loop over ids, no table-sized array.
+words: `_place` steps 1 to 4 (in `id_assign` and `id_claims`), `_account`
+step 5, which builds the new state with the old one's dtypes. This module
+only wires the steps (`id_table` imports it; the state's classes are named
+here for type checking only). Everything here is batch-sized.
 """
 
 from __future__ import annotations
@@ -137,7 +128,10 @@ def _account(table: IdTable, state: IdTableState, now: jax.Array,
       claims=claims, sketch=placed.sketch, wheel=wheel, log_ids=log.log_ids,
       log_steps=log.log_steps, log_next=log.log_next,
       log_lost=log.log_lost, step=now, live=live, counters=counters)
-  return _same_dtypes(new_state, state), slot, inserted
+  # The old state's dtypes: under jax_enable_x64 scalar arithmetic would
+  # widen some leaves to 64 bits.
+  return (jax.tree.map(lambda new, old: new.astype(old.dtype), new_state,
+                       state), slot, inserted)
 
 
 class _Owners(NamedTuple):
@@ -192,11 +186,3 @@ def _events(counters: IdCounters, placed: _Placed, inserted: jax.Array,
       'overflows': id_assign.count(full),
       'unadmitted': id_assign.count(placed.need & ~placed.admitted),
       'declined': id_assign.count(claimed.declined)})
-
-
-def _same_dtypes(new_state: IdTableState,
-                 state: IdTableState) -> IdTableState:
-  """`new_state` with `state`'s dtypes (under jax_enable_x64 scalar
-  arithmetic would otherwise widen some leaves to 64 bits)."""
-  return jax.tree.map(lambda new, old: new.astype(old.dtype), new_state,
-                      state)

@@ -187,16 +187,6 @@ jax.tree_util.register_pytree_with_keys(
     lambda rows: ((rows.slots, rows.ids), rows.capacity))
 
 
-def _int_problem(value: object, name: str, low: int,
-                 high: int) -> Optional[Exception]:
-  """What is wrong with an int argument (None: nothing)."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    return TypeError(f'{name} must be a Python int, got {value!r}')
-  if not low <= value <= high:
-    return ValueError(f'{name} must lie in [{low}, {high}], got {value}')
-  return None
-
-
 def _raise_all(problems: list[Exception]) -> None:
   """One error naming every bad argument (a TypeError if all are)."""
   if not problems:
@@ -303,13 +293,18 @@ class IdTable:
 
   def _argument_problems(self) -> list[Exception]:
     """Every bad argument, in signature order (none hides another)."""
-    problems = []
+    problems: list[Exception] = []
 
     def check(value: object, name: str, low: int, high: int) -> bool:
-      problem = _int_problem(value, name, low, high)
-      if problem is not None:
-        problems.append(problem)
-      return problem is None
+      if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        problems.append(TypeError(f'{name} must be a Python int, got '
+                                  f'{value!r}'))
+      elif not low <= value <= high:
+        problems.append(ValueError(f'{name} must lie in [{low}, {high}], '
+                                   f'got {value}'))
+      else:
+        return True
+      return False
 
     capacity_ok = check(self.capacity, 'capacity', 1, _MAX_CAPACITY)
     if self.probe is not None:
@@ -680,3 +675,11 @@ class IdTable:
 # table and batch shape when called eagerly; inlined under an outer jit.
 _assign_jit = jax.jit(IdTable._assign, static_argnums=0)
 _find_jit = jax.jit(IdTable._find, static_argnums=0)
+
+
+def check_id_table(table: object, where: str) -> IdTable:
+  """`table`, refused unless an `IdTable` (the hashed-id layers' check)."""
+  if not isinstance(table, IdTable):
+    raise TypeError(f'{where}: table must be a lazy_optax.IdTable, got '
+                    f'{type(table).__name__}.')
+  return table

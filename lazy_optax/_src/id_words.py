@@ -76,16 +76,8 @@ def split_ids(ids: Union[jax.typing.ArrayLike, Sequence[int]], *,
   _check_flag(ids_are_32bit, where)
   _check_not_bool(ids, where, name)
   if isinstance(ids, (jax.Array, jax.core.Tracer)):
-    dtype = _dtype_of(ids)
-    _check_integer(dtype, where, name)
-    if _is_tracer(ids):
-      if dtype.itemsize < 8 and not ids_are_32bit:
-        _refuse_narrow_tracer(dtype, where, name)
-    else:
-      _check_range_host(np.asarray(ids), where, name)
-      if ids_are_32bit:
-        _check_fits_32bit(np.asarray(ids), where, name)
-    return _split_jax(ids)
+    _check_ids(ids, _dtype_of(ids), where, name, ids_are_32bit)
+    return split_jax(ids)
   host = np.asarray(ids)
   if host.dtype == object:
     try:
@@ -94,11 +86,22 @@ def split_ids(ids: Union[jax.typing.ArrayLike, Sequence[int]], *,
       raise ValueError(
           f'{where}: {name} must be integers in [0, 2**63 - 1]; got values '
           'outside 64 bits.') from e
-  _check_integer(host.dtype, where, name)
+  _check_ids(host, host.dtype, where, name, ids_are_32bit)
+  return _split_host(host)
+
+
+def _check_ids(ids: Union[jax.Array, np.ndarray], dtype: np.dtype,
+               where: str, name: str, ids_are_32bit: bool) -> None:
+  """Refuses ids that are not integers, may have lost bits, or lie outside."""
+  _check_integer(dtype, where, name)
+  if _is_tracer(ids):
+    if dtype.itemsize < 8 and not ids_are_32bit:
+      _refuse_narrow_tracer(dtype, where, name)
+    return
+  host = np.asarray(ids)
   _check_range_host(host, where, name)
   if ids_are_32bit:
     _check_fits_32bit(host, where, name)
-  return _split_host(host)
 
 
 def _split_host(host: np.ndarray) -> np.ndarray:
@@ -175,7 +178,7 @@ def _check_fits_32bit(host: np.ndarray, where: str, name: str) -> None:
         'lazy_optax.split_ids words instead.')
 
 
-def _split_jax(ids: jax.Array) -> jax.Array:
+def split_jax(ids: jax.Array) -> jax.Array:
   dtype = jnp.dtype(ids.dtype)
   if dtype.itemsize == 8:
     wide = jax.lax.bitcast_convert_type(ids, jnp.uint64) if (
@@ -258,17 +261,10 @@ def to_words(raw_ids: object, where: str, *, ids_are_32bit: bool = False
   _check_integer(dtype, where, name)
   if dtype == np.uint32:
     return _words_in(raw_ids, where)
-  if isinstance(raw_ids, jax.core.Tracer):
-    if dtype.itemsize < 8 and not ids_are_32bit:
-      _refuse_narrow_tracer(dtype, where, name)
-    words = _split_jax(raw_ids)
-  else:
-    # On the host, before any cast to JAX's int32: no bit is lost.
-    host = np.asarray(raw_ids)
-    _check_range_host(host, where, name)
-    if ids_are_32bit:
-      _check_fits_32bit(host, where, name)
-    words = jnp.asarray(_split_host(host))
+  _check_ids(raw_ids, dtype, where, name, ids_are_32bit)
+  # Concrete ids are split on the host, before any cast to JAX's int32.
+  words = (split_jax(raw_ids) if isinstance(raw_ids, jax.core.Tracer)
+           else jnp.asarray(_split_host(np.asarray(raw_ids))))
   shape = tuple(words.shape[:-1])
   return words.reshape(-1, 2), shape
 

@@ -71,13 +71,6 @@ def _rows_of(table: ArrayLike) -> Optional[int]:
   return jnp.shape(table)[0] if jnp.ndim(table) else None
 
 
-def _check_table(table: ArrayLike, where: str) -> None:
-  if jnp.ndim(table) < 1:
-    raise ValueError(
-        f'{where}: the table must have at least one dimension (its rows), got '
-        f'shape {tuple(jnp.shape(table))}.')
-
-
 def check_in_range(ids: jax.Array, active: Optional[jax.Array],
                    num_rows: int, where: str) -> None:
   """Out-of-range ids of active slots raise a `ValueError` when concrete.
@@ -113,7 +106,10 @@ def _gather(table: ArrayLike, ids: jax.Array, active: Optional[jax.Array],
   if recorder is not None:
     path = recorder.name_of(table) or path
   where = where_of(caller, path)
-  _check_table(table, where)
+  if jnp.ndim(table) < 1:
+    raise ValueError(
+        f'{where}: the table must have at least one dimension (its rows), got '
+        f'shape {tuple(jnp.shape(table))}.')
   num_rows = jnp.shape(table)[0]
   check_in_range(ids, active, num_rows, where)
   if recorder is not None:
@@ -199,10 +195,12 @@ def lookup(table: ArrayLike, ids: ArrayLike,
   return lookup_rows(table, ids, dtype=dtype, padding_id=padding_id)
 
 
-def _check_bag_args(ids: jax.Array, mode: str, mask: Optional[ArrayLike],
-                    lengths: Optional[ArrayLike],
-                    where: str) -> None:
-  """Refuses ids not `[batch, max_len]`, a bad mode, both mask and lengths."""
+def bag_slots(ids: jax.Array, mode: str, mask: Optional[ArrayLike],
+              lengths: Optional[ArrayLike],
+              per_sample_weights: Optional[ArrayLike],
+              padding_id: Optional[int], where: str
+              ) -> tuple[jax.Array, Optional[jax.Array]]:
+  """A bag lookup's checked arguments: its member slots and its weights."""
   if ids.ndim != 2:
     raise ValueError(
         f'{where}: ids must be a padded [batch, max_len] array, got shape '
@@ -211,6 +209,8 @@ def _check_bag_args(ids: jax.Array, mode: str, mask: Optional[ArrayLike],
     raise ValueError(f'{where}: mode must be one of {_MODES}, got {mode!r}.')
   if mask is not None and lengths is not None:
     raise ValueError(f'{where}: give mask or lengths, not both.')
+  return (_bag_members(ids, mask, lengths, padding_id, where),
+          _bag_weights(per_sample_weights, ids, mode, where))
 
 
 def _bag_mask(mask: ArrayLike, ids: jax.Array, where: str) -> jax.Array:
@@ -244,10 +244,7 @@ def _bag_lengths(lengths: ArrayLike, ids: jax.Array, where: str) -> jax.Array:
 def _bag_members(ids: jax.Array, mask: Optional[ArrayLike],
                  lengths: Optional[ArrayLike],
                  padding_id: Optional[int], where: str) -> jax.Array:
-  """Which slots are in their bag: inside `mask` or `lengths`, not padding.
-
-  At most one of `mask` and `lengths` is given (neither: every slot).
-  """
+  """Which slots are in their bag: inside `mask` or `lengths`, not padding."""
   member = jnp.ones(ids.shape, bool)
   if mask is not None:
     member = _bag_mask(mask, ids, where)
@@ -297,12 +294,16 @@ def _max_pool(rows: jax.Array, slot: jax.Array) -> jax.Array:
   return jnp.where(jnp.any(slot, axis=1), out, jnp.zeros_like(out))
 
 
-def _weighted_pool(rows: jax.Array, slot: jax.Array, member: jax.Array,
-                   weights: Optional[jax.Array], mode: str) -> jax.Array:
-  """Each bag's weighted sum (`'sum'`) or weighted mean (`'mean'`).
+def pool(rows: jax.Array, member: jax.Array, weights: Optional[jax.Array],
+         mode: str) -> jax.Array:
+  """Each bag's rows pooled over its `member` slots (empty bags: zeros).
 
-  Weights default to 1; an empty bag (or one of zero weight) gives zeros.
+  `'max'`: `_max_pool`; `'sum'`, `'mean'`: the weighted sum or mean, weights
+  defaulting to 1 (a bag of zero weight gives zeros).
   """
+  slot = broadcast_rows(member, rows)
+  if mode == 'max':
+    return _max_pool(rows, slot)
   if weights is None:
     weights = member.astype(rows.dtype)
   else:
@@ -330,14 +331,10 @@ def bag_rows(table: ArrayLike, ids: ArrayLike | Sequence[int], *,
   """`lookup_bag`, for the layers: `path` names the table in messages."""
   where = where_of(caller, path)
   ids = check_ids(ids, where, _rows_of(table))
-  _check_bag_args(ids, mode, mask, lengths, where)
-  member = _bag_members(ids, mask, lengths, padding_id, where)
-  weights = _bag_weights(per_sample_weights, ids, mode, where)
+  member, weights = bag_slots(ids, mode, mask, lengths, per_sample_weights,
+                              padding_id, where)
   rows = _gather(table, ids, member, dtype, caller, path)     # [B, L, ...]
-  slot = broadcast_rows(member, rows)
-  if mode == 'max':
-    return _max_pool(rows, slot)
-  return _weighted_pool(rows, slot, member, weights, mode)
+  return pool(rows, member, weights, mode)
 
 
 def lookup_bag(table: ArrayLike, ids: ArrayLike, *,

@@ -66,15 +66,6 @@ def _emptied(acc: Optional[jax.Array | RowBuffer],
   return jnp.where(emit, jnp.zeros_like(acc), acc)
 
 
-def _empty_buffer(param: ArrayLike, n: int, every_k: int) -> RowBuffer:
-  """A `RowBuffer` of `every_k * n` unfilled slots for the table `param`."""
-  num_rows = int(jnp.shape(param)[0])
-  ids = jnp.full((every_k * n,), num_rows, index_dtype(num_rows))
-  values = jnp.zeros((every_k * n,) + tuple(jnp.shape(param)[1:]),
-                     jnp.result_type(param))
-  return RowBuffer(ids, values)
-
-
 def _empty_acc(params: optax.Params, ids_per_step: Mapping[str, int],
                every_k: int) -> optax.Updates:
   """The accumulators of `params`, all empty: a `RowBuffer` per table.
@@ -88,9 +79,12 @@ def _empty_acc(params: optax.Params, ids_per_step: Mapping[str, int],
     if p is None:
       return None
     name = path_name(path)
-    if name in ids_per_step:
+    if name in ids_per_step:  # `every_k * n` unfilled slots
       found.add(name)
-      return _empty_buffer(p, ids_per_step[name], every_k)
+      size, num_rows = every_k * ids_per_step[name], int(jnp.shape(p)[0])
+      return RowBuffer(
+          jnp.full((size,), num_rows, index_dtype(num_rows)),
+          jnp.zeros((size, *jnp.shape(p)[1:]), jnp.result_type(p)))
     return jnp.zeros(jnp.shape(p), jnp.result_type(p))
 
   acc = jax.tree_util.tree_map_with_path(acc_for, params,
@@ -103,14 +97,6 @@ def _empty_acc(params: optax.Params, ids_per_step: Mapping[str, int],
         f'multi_steps: ids_per_step names {missing}, which are not '
         f'parameter paths; parameters: {names}.')
   return acc
-
-
-def _init(inner: optax.GradientTransformationExtraArgs, params: optax.Params,
-          ids_per_step: Mapping[str, int], every_k: int) -> MultiStepsState:
-  """The state before the first step: empty accumulators, no update made."""
-  acc = _empty_acc(params, ids_per_step, every_k)
-  return MultiStepsState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
-                         inner.init(params), acc)
 
 
 def _add_dense(path: jax.tree_util.KeyPath, acc: jax.Array,
@@ -129,11 +115,7 @@ def _add_dense(path: jax.tree_util.KeyPath, acc: jax.Array,
 def _add_rows(path: jax.tree_util.KeyPath, buf: RowBuffer,
               g: ArrayLike | SparseRows, slot: jax.Array, every_k: int,
               scale: float) -> RowBuffer:
-  """A table's `buf` with its `SparseRows` gradient `g`, scaled, in `slot`.
-
-  Slot `slot` (the step's index in its window) holds the buffer's rows
-  `slot * n` to `(slot + 1) * n`, for `n` ids per step.
-  """
+  """`buf` with the `SparseRows` `g`, scaled, in rows `slot * n` on."""
   name = path_name(path)
   n = buf.ids.shape[0] // every_k
   if not isinstance(g, SparseRows) or g.num_ids != n:
@@ -154,11 +136,7 @@ def _add_rows(path: jax.tree_util.KeyPath, buf: RowBuffer,
 
 def _added(acc: optax.Updates, updates: optax.Updates, slot: jax.Array,
            every_k: int, use_grad_mean: bool) -> optax.Updates:
-  """The accumulators `acc` with one step's gradients `updates` added.
-
-  Each gradient is scaled by `1 / every_k` if `use_grad_mean`, so that the
-  `every_k` steps add up to their mean; a table's rows go to slot `slot`.
-  """
+  """`acc` plus one step's `updates` (scaled by `1 / every_k` for a mean)."""
   scale = 1.0 / every_k if use_grad_mean else 1.0
 
   def add(path, a, g):
@@ -173,11 +151,7 @@ def _added(acc: optax.Updates, updates: optax.Updates, slot: jax.Array,
 
 def _accumulated_grads(acc: optax.Updates,
                        updates: optax.Updates) -> optax.Updates:
-  """The gradients `tx` gets: `acc`, with a `SparseRows` per `RowBuffer`.
-
-  A buffer holds its slots as written, repeated ids included: `tx` sums
-  them first, as for any gradient.
-  """
+  """The gradients `tx` gets: `acc`, a `SparseRows` per `RowBuffer`."""
   return jax.tree.map(
       lambda a, g: SparseRows.from_unique(a.ids, a.values, g.num_rows,
                                           impl=g.impl)
@@ -185,8 +159,7 @@ def _accumulated_grads(acc: optax.Updates,
 
 
 def _params_like(acc: optax.Updates, updates: optax.Updates) -> optax.Params:
-  """Shape structs of the parameters, read from `acc` and the gradients (a
-  table's leading size is its gradient's `num_rows`)."""
+  """Shape structs of the parameters (a table's rows: its gradient's)."""
 
   def struct(a, g):
     if a is None:
@@ -203,14 +176,9 @@ def _table_leaves(inner: optax.GradientTransformationExtraArgs,
                   acc: optax.Updates, updates: optax.Updates,
                   inner_state: optax.OptState
                   ) -> Optional[tuple[list[bool], set[str]]]:
-  """Which leaves of `tx`'s state hold one row per table row, and the path
-  names of the tables they belong to (`row_state.row_owners`, as `lazy`
-  finds them).
+  """Which leaves of `tx`'s state mirror a table, and the tables' names.
 
-  Returns:
-    One flag per leaf of `inner_state`, and the tables' names; None where
-    `row_owners` refuses the state (a leaf that is not row by row, or a
-    state that is not `init`'s).
+  None where `row_state.row_owners` refuses the state.
   """
   shapes, treedef = jax.tree.flatten(_params_like(acc, updates))
   paths = jax.tree_util.tree_leaves_with_path(
@@ -243,21 +211,15 @@ def _lazy_choices(inner: optax.GradientTransformationExtraArgs,
   return {choice.parameter: choice for choice in log}
 
 
-def _select(emit: jax.Array, new: jax.Array, old: jax.Array) -> jax.Array:
-  """`new` if `emit`, else `old` (key arrays through their data)."""
+def _select(emit: jax.Array, new: jax.Array,
+            old: Optional[jax.Array] = None) -> jax.Array:
+  """`new` if `emit`, else `old` or zeros (key arrays through their data)."""
   if jax.dtypes.issubdtype(new.dtype, jax.dtypes.prng_key):
-    return jax.random.wrap_key_data(
-        jnp.where(emit, jax.random.key_data(new), jax.random.key_data(old)),
-        impl=jax.random.key_impl(new))
-  return jnp.where(emit, new, old)
-
-
-def _zeros_of(x: jax.Array) -> jax.Array:
-  """Zeros shaped as `x` (a key array's data zeroed)."""
-  if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-    return jax.random.wrap_key_data(
-        jnp.zeros_like(jax.random.key_data(x)), impl=jax.random.key_impl(x))
-  return jnp.zeros(x.shape, x.dtype)
+    data = jax.random.key_data(new)
+    other = jnp.zeros_like(data) if old is None else jax.random.key_data(old)
+    return jax.random.wrap_key_data(jnp.where(emit, data, other),
+                                    impl=jax.random.key_impl(new))
+  return jnp.where(emit, new, jnp.zeros_like(new) if old is None else old)
 
 
 def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
@@ -267,22 +229,10 @@ def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
                ) -> tuple[optax.Updates, optax.OptState]:
   """`tx`'s updates and state if `emit`, else zero updates and `inner_state`.
 
-  `tx` updates with the accumulated gradients `acc`; `updates`, the step's
-  gradients, give the tables' `num_rows`.
-
-  Skipping `tx` under a `lax.cond` costs a copy of every table-sized state
-  leaf that `tx` scatters into, on XLA's path: the branch that keeps the
-  old leaf and the one that writes into it cannot share its buffer. So
-  where `tx`'s state has table-sized leaves and every one belongs to a
-  table that a `lazy(...)` updates, `tx` runs at every step, branch-free:
-  on a step that does not emit, the tables' gradients hold no row (ids
-  `num_rows`, which `lazy` drops: no table-sized leaf is written), and the
-  other state leaves and the updates are selected with `where` (O(dense
-  parameters)). Where no table's rule takes XLA's path ('xla'), the CPU
-  keeps the `lax.cond` that skips the work, under which a rule's CPU
-  kernel (an aliased call) and `lazy`'s generic write-back copy nothing
-  (`branching.per_platform`: other platforms run branch-free). A
-  table-sized leaf that no `lazy` updates row by row keeps the `lax.cond`.
+  A `lax.cond` would copy every table-sized state leaf that XLA's path
+  scatters into, so where each belongs to a table of a `lazy(...)`, `tx`
+  runs at every step, branch-free, its tables given no row when not
+  `emit` (docs/performance.md: where the CPU keeps the `lax.cond`).
   """
   def do_update(_):
     grads = _accumulated_grads(acc, updates)
@@ -323,14 +273,10 @@ def _update_if(emit: jax.Array, inner: optax.GradientTransformationExtraArgs,
     # A table's row-sparse update names only rows of the masked gradient:
     # none on a step that does not emit. Dense updates are zeroed.
     zeroed = jax.tree.map(
-        lambda n: n if is_sparse_rows(n) else _select(emit, n, _zeros_of(n)),
+        lambda n: n if is_sparse_rows(n) else _select(emit, n),
         new_updates, is_leaf=is_sparse_rows)
     return zeroed, jax.tree.unflatten(state_def, kept)
 
-  # A rule's XLA update ('xla': its rows written, then read back) makes
-  # the lax.cond copy its tables. On the CPU, its kernel (an aliased call)
-  # and lazy's generic write-back copy nothing there: the CPU keeps the
-  # lax.cond, which skips the O(k x batch) work.
   if any(c.impl == 'xla' for c in choices.values()):
     return branch_free(emit)
   return branching.per_platform(skipping, branch_free, emit)
@@ -341,11 +287,7 @@ def _update(inner: optax.GradientTransformationExtraArgs, every_k: int,
             state: MultiStepsState, params: Optional[optax.Params],
             extra_args: Mapping[str, object]
             ) -> tuple[optax.Updates, MultiStepsState]:
-  """One step: adds `updates`; every `every_k`-th step, updates with `tx`.
-
-  Returns `tx`'s updates and empties the accumulators on the step that ends
-  a window; on the others, zero updates and `tx`'s state as it was.
-  """
+  """One step: adds `updates`; every `every_k`-th step, updates with `tx`."""
   acc = _added(state.acc, updates, state.mini_step, every_k, use_grad_mean)
   emit = state.mini_step == every_k - 1
   new_updates, inner_state = _update_if(emit, inner, acc, updates,
@@ -413,7 +355,9 @@ def multi_steps(
   wanted = dict(ids_per_step)
 
   def init_fn(params):
-    return _init(inner, params, wanted, every_k)
+    acc = _empty_acc(params, wanted, every_k)
+    return MultiStepsState(jnp.zeros([], jnp.int32), jnp.zeros([], jnp.int32),
+                           inner.init(params), acc)
 
   def update_fn(updates, state, params=None, **extra_args):
     return _update(inner, every_k, use_grad_mean, updates, state, params,

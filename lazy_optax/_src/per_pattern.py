@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 from typing import Callable, Mapping, Sequence, Union
 
-import chex
 import jax
 import optax
 
@@ -22,11 +21,6 @@ from lazy_optax._src.lazy import lazy
 from lazy_optax._src.sparse_rows import is_sparse_rows
 
 _DEFAULT = 'default'
-
-
-def _paths(tree: chex.ArrayTree) -> list[str]:
-  return [path_name(p) for p, _ in jax.tree_util.tree_leaves_with_path(
-      tree, is_leaf=is_sparse_rows)]
 
 
 PatternLRs = Sequence[tuple[Union[str, Sequence[str]], optax.ScalarOrSchedule]]
@@ -170,7 +164,9 @@ def per_pattern_lr(
       used = set(jax.tree.leaves(labels(params)))
       for i, (patterns, _) in enumerate(groups):
         if f'pattern_{i}' not in used:
-          paths = _paths(params)
+          paths = [path_name(p) for p, _ in
+                   jax.tree_util.tree_leaves_with_path(
+                       params, is_leaf=is_sparse_rows)]
           raise ValueError(
               f'Group {i} of pattern_lrs ({[p.pattern for p in patterns]}) '
               'matches no parameter (or only parameters that an earlier '

@@ -1,17 +1,9 @@
 """`reset_rows`: fresh table rows and optimizer-state rows for new owners.
 
-When a slot of an `IdTable` changes owner, the new id must not inherit the
-old id's row, nor its Adam moments or accumulators. `reset_rows` writes the
-fresh slots' rows of the table (from `init`, keyed by the raw id) and of
-every optimizer-state leaf that mirrors the table, using the same machinery
-as `lazy(tx)` (`row_state.row_owners`: found from `tx.init`, through
-`optax.chain`, `optax.partition`, `optax.inject_hyperparams`...). A fresh
-state row is what `tx.init` gives for the fresh row: `tx.init` runs on the
+The state leaves that mirror a table are found as `lazy(tx)` finds them
+(`row_state.row_owners`); a fresh state row is what `tx.init` gives the
 parameters with the table replaced by its `[batch, ...]` block of fresh
-rows, so FTRL's accumulator starts at its initial value, row-wise Adagrad's
-at `initial_accumulator_value`, moments and per-row counts at zero.
-
-Cost: O(batch x row size); nothing reads or writes a whole table.
+rows. Cost: O(batch x row size); nothing reads or writes a whole table.
 """
 
 from __future__ import annotations
@@ -49,10 +41,6 @@ def _owner_cache(init_fn: optax.TransformInitFn) -> row_state.OwnerCache:
     return row_state.OwnerCache(init_fn)
 
 
-def _name_salt(name: str) -> int:
-  return zlib.crc32(name.encode('utf-8'))
-
-
 def fresh_rows(init: Callable[..., jax.Array], key: jax.typing.ArrayLike,
                ids: jax.Array, row_shape: tuple[int, ...],
                dtype: jax.typing.DTypeLike, name: str) -> jax.Array:
@@ -72,7 +60,8 @@ def fresh_rows(init: Callable[..., jax.Array], key: jax.typing.ArrayLike,
     `[N, *row_shape]` rows.
   """
   words = id_hashing.key_words(key)
-  salted = words ^ jnp.asarray([_name_salt(name), 0], jnp.uint32)
+  salted = words ^ jnp.asarray([zlib.crc32(name.encode('utf-8')), 0],
+                              jnp.uint32)
   keys = id_hashing.id_keys(salted, ids)
   return jax.vmap(lambda k: jnp.asarray(init(k, row_shape, dtype)))(keys)
 
@@ -255,36 +244,11 @@ class _Plan(NamedTuple):
   owners: list[Optional[int]]       # of every state leaf
 
 
-def _state_owners(init_fn: optax.TransformInitFn, leaves: list[jax.Array],
-                  rebuild: Callable[[list[jax.Array]], optax.Params],
-                  positions: list[int], opt_state: optax.OptState
-                  ) -> list[Optional[int]]:
-  """`row_state.row_owners` of `opt_state`, for the tables at `positions`."""
-  shapes = [jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-            for x in leaves]
-  return _owner_cache(init_fn)(
-      param_shapes=shapes, rebuild_params=rebuild,
-      row_param_positions=positions, state=opt_state)
-
-
 def _write_rows(leaf: jax.Array, slots: jax.Array,
                 rows: jax.Array) -> jax.Array:
   """`leaf` with `rows` at `slots` (filler slots dropped), sharding kept."""
   return leaf.at[slots].set(rows, mode='drop',
                             **_sharding.scatter_kwargs(leaf))
-
-
-def _initial_rows(init: Optional[Callable[..., jax.Array]],
-                  key: Optional[jax.typing.ArrayLike], name: str,
-                  table: jax.Array, slots: jax.Array, ids: jax.Array
-                  ) -> jax.Array:
-  """`table`'s fresh rows for `slots` (ids `ids`): `init`'s, or zeros."""
-  row_shape = tuple(jnp.shape(table)[1:])
-  dtype = jnp.result_type(table)
-  if init is None:
-    return jnp.zeros((slots.shape[0], *row_shape), dtype)
-  assert key is not None  # reset_rows refuses an init without a key
-  return fresh_rows(init, key, ids, row_shape, dtype, name).astype(dtype)
 
 
 def _reset_tables(plan: _Plan, start: int, size: int,
@@ -302,25 +266,19 @@ def _reset_tables(plan: _Plan, start: int, size: int,
   chunk_slots = {}
   for k, pos in enumerate(plan.packed):
     slots, ids, _ = plan.packed[pos]
-    slots = slots[start:start + size]
-    ids = ids[start:start + size]
+    slots, ids = slots[start:start + size], ids[start:start + size]
     chunk_slots[pos] = slots
-    rows = _initial_rows(plan.init, plan.key, plan.names[pos],
-                         plan.leaves[pos], slots, ids)
+    row_shape = tuple(jnp.shape(plan.leaves[pos])[1:])
+    dtype = jnp.result_type(plan.leaves[pos])
+    if plan.init is None:
+      rows = jnp.zeros((slots.shape[0], *row_shape), dtype)
+    else:
+      assert plan.key is not None  # reset_rows refuses an init without a key
+      rows = fresh_rows(plan.init, plan.key, ids, row_shape, dtype,
+                        plan.names[pos]).astype(dtype)
     stand_in[pos] = rows
     tables[k] = _write_rows(tables[k], slots, rows)
   return tuple(tables), stand_in, chunk_slots
-
-
-def _check_fresh_state(value: jax.Array, slots: jax.Array, leaf: jax.Array
-                       ) -> None:
-  """Refuses a fresh state leaf that is not one row per fresh slot."""
-  expected = (slots.shape[0], *jnp.shape(leaf)[1:])
-  if tuple(value.shape) != expected:
-    raise ValueError(
-        f'reset_rows: tx.init gives a state leaf of shape '
-        f'{tuple(value.shape)} for {slots.shape[0]} fresh rows, '
-        f'expected {expected}.')
 
 
 def _reset_state(plan: _Plan, stand_in: list[jax.Array],
@@ -337,17 +295,19 @@ def _reset_state(plan: _Plan, stand_in: list[jax.Array],
       assert owner is not None
       slots = chunk_slots[owner]
       leaf = owned[k]
-      _check_fresh_state(value, slots, leaf)
+      expected = (slots.shape[0], *jnp.shape(leaf)[1:])
+      if tuple(value.shape) != expected:
+        raise ValueError(
+            f'reset_rows: tx.init gives a state leaf of shape '
+            f'{tuple(value.shape)} for {slots.shape[0]} fresh rows, '
+            f'expected {expected}.')
       owned[k] = _write_rows(leaf, slots, value.astype(leaf.dtype))
   return tuple(owned)
 
 
 def _reset_chunk(plan: _Plan, start: int, size: int, carry: _Carry
                  ) -> _Carry:
-  """Resets fresh entries `[start, start + size)` of every table.
-
-  `carry` is `(tables, owned state leaves)`, and so is the result.
-  """
+  """Resets fresh entries `[start, start + size)`: `(tables, owned leaves)`."""
   table_leaves, owned_leaves = carry
   table_leaves, stand_in, chunk_slots = _reset_tables(plan, start, size,
                                                       table_leaves)
@@ -377,7 +337,11 @@ def _reset(tx: optax.GradientTransformation,
   names = [path_name(p) for p, _ in flat]
   leaves = [x for _, x in flat]
   positions = {names.index(name): rows for name, rows in fresh.items()}
-  owners = _state_owners(tx.init, leaves, rebuild, list(positions), opt_state)
+  owners = _owner_cache(tx.init)(
+      param_shapes=[jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
+                    for x in leaves],
+      rebuild_params=rebuild, row_param_positions=list(positions),
+      state=opt_state)
   state_leaves, state_def = jax.tree.flatten(opt_state)
   wanted = tuple(i for i, o in enumerate(owners) if o in positions)
   packed = {pos: _pack(rows, jnp.shape(leaves[pos])[0])

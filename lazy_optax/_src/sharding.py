@@ -91,15 +91,6 @@ def _sharding_of(x: object) -> jax.sharding.Sharding:
   return sharding
 
 
-def _mesh_of(
-    shardings: optax.Params,
-) -> Optional[jax.sharding.Mesh | jax.sharding.AbstractMesh]:
-  for s in jax.tree.leaves(shardings):
-    if isinstance(s, jax.sharding.NamedSharding):
-      return s.mesh
-  return None
-
-
 def _follow_rows(leaf: object,
                  sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
   """The parameter's sharding, cut to the rank of a per-row state leaf.
@@ -170,7 +161,8 @@ def state_shardings(
       raise ValueError(
           'param_shardings must have the tree structure of params.') from e
   if replicated is None:
-    mesh = _mesh_of(param_shardings)
+    mesh = next((s.mesh for s in jax.tree.leaves(param_shardings)
+                 if isinstance(s, jax.sharding.NamedSharding)), None)
     if mesh is None:
       raise ValueError(
           'state_shardings: no NamedSharding among the parameters, so no mesh '

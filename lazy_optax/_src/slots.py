@@ -32,16 +32,12 @@ def _is_leaf(x: object) -> bool:
   return _is_masked(x) or is_sparse_rows(x) or x is None
 
 
-def _is_namedtuple(x: object) -> bool:
-  return isinstance(x, tuple) and hasattr(x, '_fields')
-
-
 def _fields(state: optax.OptState,
             where: str = '') -> Iterator[tuple[str, str, chex.ArrayTree]]:
   """Yields `(field name, location, value)` for every NamedTuple field."""
   if _is_masked(state) or is_sparse_rows(state):
     return
-  if _is_namedtuple(state):
+  if isinstance(state, tuple) and hasattr(state, '_fields'):  # NamedTuple
     for name, value in zip(state._fields, state):
       loc = f'{where}.{name}'
       yield name, loc, value
@@ -52,11 +48,6 @@ def _fields(state: optax.OptState,
   elif isinstance(state, dict):
     for k, value in state.items():
       yield from _fields(value, f'{where}[{k!r}]')
-
-
-def _leaves_by_path(tree: chex.ArrayTree) -> dict[str, chex.ArrayTree]:
-  flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_leaf)
-  return {path_name(p): leaf for p, leaf in flat}
 
 
 def _mirrors(value: chex.ArrayTree, params: optax.Params) -> bool:
@@ -165,7 +156,8 @@ def get_slot(
   known_paths: set[str] = set()
   slots = optax.tree_utils.tree_get_all_with_path(state, field)
   for path, value in slots:
-    leaves = _leaves_by_path(value)
+    leaves = {path_name(p): leaf for p, leaf in
+              jax.tree_util.tree_leaves_with_path(value, is_leaf=_is_leaf)}
     known_paths.update(p for p, x in leaves.items() if not _is_masked(x))
     leaf = leaves.get(param_path)
     if leaf is not None and not _is_masked(leaf):

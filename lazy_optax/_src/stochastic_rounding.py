@@ -1,20 +1,10 @@
 """Stochastic rounding of updates added to 16-bit tables.
 
-A bfloat16 weight near 1.0 has 8 bits of precision: its neighbours are
-2^-7 apart, so adding any update smaller than 2^-8 (half a unit in the last
-place) and rounding to nearest gives the weight back unchanged. A bfloat16
-table trained with small learning rates stops learning. Stochastic rounding
-rounds `w + u` (computed in float32) up or down at random, with the
-probability of each proportional to the distance to the other neighbour,
-so the expected stored value is `w + u`: small updates add up on average.
-
-`apply_updates_stochastic` does that for every bfloat16 or float16 leaf,
-and adds updates to other leaves as `apply_updates` does. The random bits
-are reproducible and independent of how a step is laid out: each row draws
-from `fold_in(fold_in(fold_in(key, step), leaf), row_id)`, where `leaf` is a
-hash of the parameter's path (`'emb/table'`), so the same seed and step give
-the same bits whatever the batch order, the mesh or the device count. A
-`SparseRows` update touches only its (deduplicated) rows: O(batch).
+A bfloat16 weight near 1.0 has 8 bits of precision: adding any update
+smaller than 2^-8 and rounding to nearest gives the weight back unchanged,
+so a bfloat16 table trained with small learning rates stops learning.
+`apply_updates_stochastic` rounds `w + u` up or down at random, without
+bias, with bits drawn per row (see its docstring).
 """
 
 from __future__ import annotations
@@ -146,11 +136,6 @@ def _kernel_rounds(param: jax.Array, ids: jax.Array, key: jax.Array,
           and row_ops.kernels_for(param, backend))
 
 
-def _leaf_key(key: jax.Array, step: ArrayLike, path: str) -> jax.Array:
-  key = jax.random.fold_in(key, jnp.asarray(step, jnp.uint32))
-  return jax.random.fold_in(key, zlib.crc32(path.encode()) & 0x7FFFFFFF)
-
-
 def _round_rows(exact: jax.Array, row_ids: jax.Array, key: jax.Array,
                 dtype: DTypeLike) -> jax.Array:
   """Rounds `exact[i]` with the bits of row `row_ids[i]`."""
@@ -165,13 +150,10 @@ def _row_ids(like: jax.Array) -> jax.Array:
   row ids sharded the same way (Auto axes and one device need nothing).
   """
   ids = jnp.arange(like.shape[0])
-  typeof = getattr(jax, 'typeof', None)
-  sharding = getattr(typeof(like), 'sharding', None) if typeof else None
-  mesh = getattr(sharding, 'mesh', None)
-  if (sharding is None or mesh is None or mesh.empty
-      or not getattr(mesh, 'explicit_axes', ())):
+  mesh = _sharding.explicit_mesh(like)
+  if mesh is None:
     return ids
-  spec = sharding.spec
+  spec = jax.typeof(like).sharding.spec
   return jax.sharding.reshard(ids, jax.sharding.NamedSharding(
       mesh, jax.sharding.PartitionSpec(spec[0] if len(spec) else None)))
 
@@ -186,7 +168,9 @@ def _add_rounded(path: jax.tree_util.KeyPath, param: Optional[ArrayLike],
   if not rounds_stochastically(param.dtype):
     # Keyed by the path's name, so that apply_updates' messages name it.
     return apply_updates({name: param}, {name: update})[name]
-  leaf_key = _leaf_key(key, step, name)
+  leaf_key = jax.random.fold_in(
+      jax.random.fold_in(key, jnp.asarray(step, jnp.uint32)),
+      zlib.crc32(name.encode()) & 0x7FFFFFFF)
   dtype = param.dtype
   if isinstance(update, SparseRows):
     if tuple(param.shape) != update.shape:

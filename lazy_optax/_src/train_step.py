@@ -1,22 +1,11 @@
 """Donated train steps: `make_train_step` and `warn_if_not_donated`.
 
 Without buffer donation XLA copies every table (and its optimizer state) on
-each step, because the updated table cannot be written into an input that
-the caller may still read: the lazy step then costs O(table) again and is
-slower than dense Adam. These helpers check a jitted step once, with public
-JAX only (`step.lower(...)`'s `args_info` and the compiled step's
-`memory_analysis()`), and warn when its tables are not donated.
-
-`make_train_step` also keeps the train state when it refuses a step. JAX
-deletes donated inputs when a computation fails, so a check that raises
-from inside the compiled step (a host callback) would lose the params and
-optimizer state. The helper's step returns its checks as data instead
-(`damage.recording`): once a check fails, every row write of lazy_optax
-goes to the "no row" sentinel, and every other leaf of a donated argument
-is kept with a `where`; the helper then raises on the host, with the state
-from before the step on the exception (`StepError.outputs`). A step without
-checks (its gradients come from `lazy_optax.value_and_grad` unchanged)
-compiles and runs as `jax.jit` alone would.
+each step: the lazy step then costs O(table) again. `make_train_step` also
+keeps the train state when it refuses a step: JAX deletes donated inputs
+when a computation fails, so the step returns its checks as data
+(`damage.recording`) and the helper raises on the host, with the state from
+before the step (docs/design.md, "A refused step keeps the train state").
 """
 
 from __future__ import annotations
@@ -72,10 +61,6 @@ def _lowered(step: Callable[..., object], args: Sequence[object],
   return lowered
 
 
-def _is_table(info: jax.stages.ArgInfo) -> bool:
-  return len(info.shape) >= 2 and jnp.issubdtype(info.dtype, jnp.inexact)
-
-
 def _nbytes(info: jax.stages.ArgInfo) -> int:
   size = 1
   for d in info.shape:
@@ -102,38 +87,26 @@ _HLO_TYPES = {'float32': 'f32', 'bfloat16': 'bf16', 'float16': 'f16',
               'float64': 'f64', 'complex64': 'c64', 'complex128': 'c128'}
 
 
-def _hlo_shape(info: jax.stages.ArgInfo) -> str:
-  name = _HLO_TYPES.get(jnp.dtype(info.dtype).name, jnp.dtype(info.dtype).name)
-  return f'{name}[{",".join(str(int(d)) for d in info.shape)}]'
-
-
 # Copies of smaller arrays (a layout change of a small kernel) are not
 # worth a warning.
 COPY_WARN_BYTES = 2**20
 
 
-def _copied_tables(hlo: str, tables: Sequence[tuple[str, jax.stages.ArgInfo]]
-                   ) -> dict[str, int]:
-  """The donated tables that the compiled step copies whole, and the bytes.
-
-  A `copy` (or `copy-start`) instruction in the compiled program whose
-  result has a table's shape and dtype copies that table (or another
-  argument of the same shape: all of them are named). Tables under
-  `COPY_WARN_BYTES` are left out.
-  """
-  copied: dict[str, int] = {}
-  for name, nbytes, _ in _table_copies(hlo, tables):
-    copied[name] = copied.get(name, 0) + nbytes
-  return copied
-
-
 def _table_copies(hlo: str, tables: Sequence[tuple[str, jax.stages.ArgInfo]]
                   ) -> list[tuple[str, int, bool]]:
-  """Per table-sized copy: the table, its bytes, whether in a cond branch."""
+  """Per table-sized copy: the table, its bytes, whether in a cond branch.
+
+  A `copy` (or `copy-start`) instruction whose result has a table's shape
+  and dtype copies that table (or another argument of the same shape: all
+  of them are named). Tables under `COPY_WARN_BYTES` are left out.
+  """
   by_shape: dict[str, list[tuple[str, int]]] = {}
   for name, info in tables:
     if _nbytes(info) >= COPY_WARN_BYTES:
-      by_shape.setdefault(_hlo_shape(info), []).append((name, _nbytes(info)))
+      dtype = jnp.dtype(info.dtype).name
+      dims = ','.join(str(int(d)) for d in info.shape)
+      by_shape.setdefault(f'{_HLO_TYPES.get(dtype, dtype)}[{dims}]',
+                          []).append((name, _nbytes(info)))
   found = []
   for line, in_branch in _copies(hlo):
     result = line.split('=', 1)[-1].strip().split('{', 1)[0].split(' ')[0]
@@ -156,12 +129,6 @@ def _copies(hlo: str) -> list[tuple[str, bool]]:
     elif ' copy(' in line or ' copy-start(' in line:
       found.append((line, computation in branches))
   return found
-
-
-def _in_branches(hlo: str,
-                 tables: Sequence[tuple[str, jax.stages.ArgInfo]]) -> bool:
-  """Whether every table-sized copy lies in a `lax.cond` branch."""
-  return all(in_branch for _, _, in_branch in _table_copies(hlo, tables))
 
 
 _COND_CAUSE = (
@@ -232,8 +199,9 @@ def warn_if_not_donated(step: Callable[..., object], *args: object,
   lowered = _lowered(step, args, kwargs)
   flat = jax.tree_util.tree_flatten_with_path(
       lowered.args_info, is_leaf=lambda x: isinstance(x, jax.stages.ArgInfo))[0]
-  tables = [(_arg_name(path), info) for path, info in flat
-            if isinstance(info, jax.stages.ArgInfo) and _is_table(info)]
+  tables = [(_arg_name(path), info) for path, info in flat  # 2+-d floats
+            if isinstance(info, jax.stages.ArgInfo) and len(info.shape) >= 2
+            and jnp.issubdtype(info.dtype, jnp.inexact)]
   missing = [(name, info) for name, info in tables if not info.donated]
   if missing:
     if _first_time(step):
@@ -247,12 +215,12 @@ def warn_if_not_donated(step: Callable[..., object], *args: object,
           stacklevel=2)
     return False
   compiled = lowered.compile()
-  copied = _copied_tables(compiled.as_text() or '', tables)
-  if copied:
+  copies = _table_copies(compiled.as_text() or '', tables)
+  if copies:
     if _first_time(step):
-      names = ', '.join(copied)
-      size = _size(sum(copied.values()))
-      cause = (_COND_CAUSE if _in_branches(compiled.as_text() or '', tables)
+      names = ', '.join(dict.fromkeys(name for name, _, _ in copies))
+      size = _size(sum(nbytes for _, nbytes, _ in copies))
+      cause = (_COND_CAUSE if all(branch for _, _, branch in copies)
                else _LINEAR_CAUSE)
       warnings.warn(
           f'lazy_optax: this train step donates its tables, but XLA copies '

@@ -257,14 +257,6 @@ def same_shape(got: tuple[int, ...], expected: tuple[int, ...],
         f'SparseRows is for shape {tuple(expected)}.')
 
 
-def _python_number(x: object) -> bool:
-  # Arrays (`optax.inject_hyperparams` passes them, traced under jit) and
-  # schedules pass through: only numbers known when the optimizer is built
-  # are checked.
-  return (isinstance(x, (int, float, np.integer, np.floating))
-          and not isinstance(x, bool))
-
-
 _RANGES = {
     'beta': ('in [0, 1)', lambda x: 0 <= x < 1),
     'non_negative': ('>= 0', lambda x: x >= 0),
@@ -290,7 +282,8 @@ def hyperparameters(fn: str, **kinds: Mapping[str, object]) -> None:
   for kind, values in kinds.items():
     wording, ok = _RANGES[kind]
     for name, value in values.items():
-      if _python_number(value) and not ok(value):
+      if (isinstance(value, (int, float, np.integer, np.floating))
+          and not isinstance(value, bool) and not ok(value)):
         raise ValueError(f'{fn}: {name} must be {wording}, got {value!r}.')
 
 

@@ -108,11 +108,9 @@ def untrusted(path: str, owners: tuple[int, ...], *, folder: bool) -> str:
 
 def verified(path: str, owners: tuple[int, ...]) -> str:
   """Why the library at `path` may not be loaded ('' when it may)."""
-  why = untrusted(path, owners, folder=False)
-  if why:
-    return why
   checksum = path + '.sha256'
-  why = untrusted(checksum, owners, folder=False)
+  why = (untrusted(path, owners, folder=False)
+         or untrusted(checksum, owners, folder=False))
   if why:
     return why
   with open(checksum, encoding='ascii') as f:
