@@ -18,20 +18,23 @@ C++ kernel on CPU, XLA's row update elsewhere, or `lazy`'s generic path
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lazy_optax._src import fused
+from lazy_optax._src import numerics
 from lazy_optax._src import validate
 from lazy_optax._src.bare import bare
 from lazy_optax._src.lazy import lazy
+from lazy_optax._src.numerics import complement
 from lazy_optax._src.numerics import compute_dtype
 from lazy_optax._src.numerics import Mask
-from lazy_optax._src.numerics import one_minus_power
 
 
 class ScaleByLazyAdamState(NamedTuple):
@@ -82,8 +85,17 @@ def _bias_correction(b1: jax.typing.ArrayLike, b2: jax.typing.ArrayLike,
                      count: jax.Array, dtype: jax.typing.DTypeLike
                      ) -> jax.Array:
   """TensorFlow's step-size correction `sqrt(1 - b2^t) / (1 - b1^t)`."""
-  return (jnp.sqrt(one_minus_power(b2, count, dtype))
-          / one_minus_power(b1, count, dtype))
+  return _correction(complement(b1, dtype), complement(b2, dtype), count,
+                     jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _correction(one_minus_b1: jax.typing.ArrayLike,
+                one_minus_b2: jax.typing.ArrayLike, count: jax.Array,
+                dtype: np.dtype) -> jax.Array:
+  # One call per use in a trace (traced once per signature).
+  return (jnp.sqrt(numerics.one_minus_power_of(one_minus_b2, count, dtype))
+          / numerics.one_minus_power_of(one_minus_b1, count, dtype))
 
 
 def _kernel_hyper(h: AdamHyper) -> AdamKernelHyper:

@@ -31,6 +31,7 @@ zero, as XLA's CPU flushes them).
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 from typing import Generic, NamedTuple, Optional, TypeVar
 
@@ -140,6 +141,13 @@ def _encode(ids: XpArray, xp: ModuleType) -> XpArray:
   return whole * xp.asarray(UNIT, CODE_DTYPE)
 
 
+@jax.jit
+def _encode_traced(ids: jax.Array) -> jax.Array:
+  """`_encode` with `jax.numpy`, traced once per shape and dtype (a step
+  that reads codes of one shape many times adds one call each)."""
+  return _encode(ids, jnp)
+
+
 def encode(ids: jax.Array) -> jax.Array:
   """The id code of integer ids.
 
@@ -160,7 +168,7 @@ def encode(ids: jax.Array) -> jax.Array:
   """
   host = _on_host(ids)
   if host is None:
-    return _encode(ids, jnp)
+    return _encode_traced(ids)
   return _placed(_encode(host, np), ids)
 
 
@@ -233,8 +241,14 @@ def decode(code: jax.Array, id_dtype: jax.typing.DTypeLike
   """
   read = _decode_on_host(code, id_dtype)
   if read is None:
-    return _decode(code, id_dtype, jnp)
+    return _decode_traced(code, jnp.dtype(id_dtype))
   return Decoded(*(_placed(x, code) for x in read))
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _decode_traced(code: jax.Array, id_dtype: np.dtype) -> Decoded[jax.Array]:
+  """`_decode` with `jax.numpy`, traced once per shape and dtype."""
+  return _decode(code, id_dtype, jnp)
 
 
 def _decode_on_host(code: jax.Array, id_dtype: jax.typing.DTypeLike
@@ -356,16 +370,30 @@ def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
   on_host = _damaged_on_host(code, values, num_rows)
   if on_host is not None:
     return _placed(_kept(*on_host, num_rows, np), code)
-  decoded = decode(code, index_dtype(num_rows))
-  hurt = damaged(decoded, values)
+  decoded, hurt, reported = _inspect(code, values, num_rows)
   if report and isinstance(hurt, jax.core.Tracer) and values.shape[0]:
-    finite = jnp.all(jnp.isfinite(values.reshape(values.shape[0], -1)),
-                     axis=1)
-    reported = hurt & finite
-    zero = damage.report_if_damaged(~jnp.any(reported), jnp.sum(reported),
-                                    where, values.shape[0])
+    zero = damage.report_if_damaged(reported == 0, reported, where,
+                                    values.shape[0])
     hurt = hurt | (zero != 0)  # ties the step's outputs to the report
-  return _kept(decoded, hurt, num_rows, jnp)
+  return _kept_traced(decoded, hurt, num_rows)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _inspect(code: jax.Array, values: jax.Array, num_rows: int
+             ) -> tuple[Decoded[jax.Array], jax.Array, jax.Array]:
+  """What `safe_ids` reads of a code with `jax.numpy` (traced once per
+  signature): the decoded code, its damaged entries and how many of them
+  have finite values (the damage to report)."""
+  decoded = _decode(code, index_dtype(num_rows), jnp)
+  hurt = damaged(decoded, values)
+  finite = jnp.all(jnp.isfinite(values.reshape(values.shape[0], -1)), axis=1)
+  return decoded, hurt, jnp.sum(hurt & finite, dtype=jnp.int32)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _kept_traced(read: Decoded[jax.Array], hurt: jax.Array, num_rows: int
+                 ) -> jax.Array:
+  return _kept(read, hurt, num_rows, jnp)
 
 
 def _kept(read: Decoded[XpArray], hurt: XpArray, num_rows: int, xp: ModuleType
@@ -435,6 +463,11 @@ class RowIds:
     """`safe_ids` of a code rebuilt from leaves; the given ids in range."""
     if self.given is None:
       return safe_ids(self._leaf_code(), values, num_rows, where, report)
-    ids = self.given
-    return jnp.where((ids >= 0) & (ids < num_rows), ids,
-                     jnp.asarray(num_rows, ids.dtype))
+    return _in_range(self.given, num_rows)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _in_range(ids: jax.Array, num_rows: int) -> jax.Array:
+  """`ids`, each outside `[0, num_rows)` set to `num_rows`."""
+  return jnp.where((ids >= 0) & (ids < num_rows), ids,
+                   jnp.asarray(num_rows, ids.dtype))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional, Union
 
 import chex
@@ -49,7 +50,22 @@ def one_minus_power(decay: ArrayLike, count: jax.Array,
     >>> one_minus_power(0.5, jnp.array(2), jnp.float32)
     Array(0.75, dtype=float32)
   """
-  one_minus_decay = jnp.asarray(1 - decay, dtype)
+  return one_minus_power_of(complement(decay, dtype), count, jnp.dtype(dtype))
+
+
+def complement(decay: ArrayLike, dtype: DTypeLike) -> ArrayLike:
+  """`1 - decay` in `dtype`, taken in Python's float64 for a number (a
+  NumPy scalar: no array is made in a trace), in `dtype` for an array."""
+  if isinstance(decay, (int, float)):
+    return np.asarray(1 - decay, dtype)
+  return jnp.asarray(1 - decay, dtype)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def one_minus_power_of(one_minus_decay: jax.typing.ArrayLike,
+                       count: jax.Array, dtype: np.dtype) -> jax.Array:
+  """`one_minus_power` of `complement(decay, dtype)`: one call per use in
+  a trace (the arithmetic traced once per signature)."""
   t = jnp.asarray(count).astype(dtype)
   return -jnp.expm1(t * jnp.log1p(-one_minus_decay))
 
