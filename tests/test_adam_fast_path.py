@@ -32,7 +32,7 @@ _ADAMW = BY_NAME['lazy_adamw']
 
 def _tx(kind, lr, impl, **kw):
   if kind == 'scale_by':
-    return _ADAM.scale_by(impl=impl, **kw)
+    return lazy_optax.lazy(_ADAM.scale_by(impl=impl, **kw), impl=impl)
   if kind == 'adamw':
     return _ADAMW.fn(
         lr, weight_decay=0.01,
