@@ -85,20 +85,16 @@ def _place(table: IdTable, state: IdTableState, words: jax.Array,
   need = valid & ~win.found
   sketch, admitted, seen = id_assign.admit(table, state.sketch, words, valid,
                                            need, state.step, now)
-  # 4. Claim rounds: admitted ids take free slots or the policy's victims.
-  claimed = id_claims.claim_rounds(
-      table, state.ids, _mark_hits(table, state.last_seen, win, now),
-      state.claims, state.counts, sketch, seen, words, win, admitted, now)
-  return _Placed(win, wheel, expired, live, need, sketch, admitted, claimed)
-
-
-def _mark_hits(table: IdTable, last_seen: jax.Array, win: id_assign.Windows,
-               now: jax.Array) -> jax.Array:
-  """Hits are seen now: no new id of this step may take their slots."""
+  # 4. Claim rounds: admitted ids take free slots or the policy's victims;
+  # hits are seen now, so that no new id of this step takes their slots.
   c = table.capacity
-  return last_seen.at[id_assign.after(
+  last_seen = state.last_seen.at[id_assign.after(
       jnp.where(win.found, win.hit_slot, c), win.hit_seen, c)].set(
           now, mode='drop')
+  claimed = id_claims.claim_rounds(
+      table, state.ids, last_seen, state.claims, state.counts, sketch, seen,
+      words, win, admitted, now)
+  return _Placed(win, wheel, expired, live, need, sketch, admitted, claimed)
 
 
 def _account(table: IdTable, state: IdTableState, now: jax.Array,

@@ -77,11 +77,8 @@ def check_in_range(ids: jax.Array, active: Optional[jax.Array],
 
   Traced ids are not checked here: a check in the traced step (even a
   `checkify.debug_check`) sends every call of a jitted step through Python
-  dispatch, measured at 0.15 ms of a 0.5 ms train step. Under
-  `lazy_optax.value_and_grad` the table's `SparseRows` gradient keeps such
-  ids as they are (they touch no row), so the checked mode
-  (`lazy_optax.checks.with_id_checks` or `lazy_optax.checks.check_ids_in_range`
-  under `lazy_optax.checks.checked`) reports them.
+  dispatch, measured at 0.15 ms of a 0.5 ms train step. The checked mode
+  reports them (module doc).
   """
   concrete = not isinstance(ids, jax.core.Tracer) and (
       active is None or not isinstance(active, jax.core.Tracer))
