@@ -24,24 +24,8 @@ __all__ = ('bare',)
 
 def bare(rule: optax.GradientTransformationExtraArgs, name: str,
          impl: str) -> optax.GradientTransformationExtraArgs:
-  """`rule` as its `scale_by_X` returns it: the bare rule.
-
-  Args:
-    rule: the rule's transformation (its state a declared `ScaleBy...`).
-    name: the public function, for the warning (`'scale_by_lazy_adam'`).
-    impl: the rule's `impl=`, for the deprecated path's `lazy(...)`.
-
-  Returns:
-    An `optax.GradientTransformationExtraArgs` with `rule`'s state.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> import lazy_optax
-    >>> tx = lazy_optax.scale_by_lazy_adam()   # a dense gradient: every row
-    >>> u, _ = tx.update(jnp.ones((2, 3)), tx.init(jnp.zeros((2, 3))))
-    >>> u[0]
-    Array([1., 1., 1.], dtype=float32)
-  """
+  """`rule` (state and all) as its `scale_by_X` returns it; `name` and
+  `impl` are for the deprecated path."""
   wrapped = lazy(rule, impl=impl)
 
   def update_fn(updates, state, params=None, **extra_args):
