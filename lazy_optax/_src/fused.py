@@ -291,7 +291,7 @@ def traced_once(fn: Callable[..., Any], *args: Any) -> Any:
   leaves, tree = jax.tree.flatten(args)
   dynamic = tuple(isinstance(x, (jax.Array, np.ndarray, np.generic))
                   for x in leaves)
-  static = tuple(None if d else x for d, x in zip(dynamic, leaves))
+  static = tuple(None if d else _Exact(x) for d, x in zip(dynamic, leaves))
   try:
     hash((fn, static))
   except TypeError:
@@ -300,12 +300,32 @@ def traced_once(fn: Callable[..., Any], *args: Any) -> Any:
                *(x for d, x in zip(dynamic, leaves) if d))
 
 
+class _Exact:
+  """A static leaf, equal to another of the same type and exact value
+  only: a trace made for `0` is not reused for `False`, nor `0.0`'s for
+  `-0.0` or `2`'s for `2.0`."""
+
+  __slots__ = ('value', 'key')
+
+  def __init__(self, value: Any):
+    self.value = value
+    self.key = (type(value), repr(value)
+                if isinstance(value, (int, float, complex)) else value)
+
+  def __hash__(self) -> int:
+    return hash(self.key)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Exact) and self.key == other.key
+
+
 @functools.partial(jax.jit, inline=True, static_argnums=(0, 1, 2, 3))
 def _call(fn: Callable[..., Any], tree: jax.tree_util.PyTreeDef,
-          dynamic: tuple[bool, ...], static: tuple[Any, ...],
+          dynamic: tuple[bool, ...], static: tuple[Optional[_Exact], ...],
           *arrays: jax.Array) -> Any:
   given = iter(arrays)
-  leaves = [next(given) if d else s for d, s in zip(dynamic, static)]
+  leaves = [next(given) if d else s.value  # type: ignore[union-attr]
+            for d, s in zip(dynamic, static)]
   return fn(*jax.tree.unflatten(tree, leaves))
 
 
