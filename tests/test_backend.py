@@ -600,3 +600,31 @@ def test_auto_under_a_cpu_default_device_keeps_the_kernel(monkeypatch,
     assert choice().impl == 'xla'
     assert not calls_the_kernel()
 
+
+
+# --- lazy's decision and apply_updates --------------------------------------
+
+@pytest.mark.xfail(strict=True, reason=(
+    "the update keeps its gradient's impl: optax.apply_if_finite(lazy_adam("
+    "impl='xla')) puts the update and its gradient's zeros in the two "
+    'branches of one lax.cond, which need one tree structure '
+    "(tests/test_row_context.py's apply_if_finite case)"))
+def test_lazy_impl_xla_update_is_added_without_the_cpp_scatter_add():
+  """A gradient built with `impl='auto'` (its distinct ids summed by the C++
+  Dedup), `lazy_adam(impl='xla')` and `apply_updates`: the compiled step's
+  only C++ call would be the gradient's Dedup if the update carried lazy's
+  decision for its table. Today apply_updates adds it with the C++
+  ScatterAdd."""
+  assert lazy_optax.kernel_status()['cpu_kernel'].available
+  tx = lazy_optax.lazy_adam(LR, impl='xla')
+
+  @functools.partial(jax.jit, donate_argnums=(0, 1))
+  def step(params, state, ids, values):
+    grads = {'table': lazy_optax.SparseRows(ids, values, NUM_ROWS)}
+    updates, state = tx.update(grads, state, params)
+    return lazy_optax.apply_updates(params, updates), state
+
+  params = {'table': jnp.asarray(_table())}
+  ids, values = next(_batches(1))
+  hlo = step.lower(params, tx.init(params), ids, values).compile().as_text()
+  assert _targets(hlo) == ['lazy_optax_LazyOptaxDedup'], _targets(hlo)

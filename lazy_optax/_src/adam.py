@@ -89,11 +89,11 @@ def _bias_correction(b1: jax.typing.ArrayLike, b2: jax.typing.ArrayLike,
                      jnp.dtype(dtype))
 
 
-@functools.partial(jax.jit, static_argnums=3)
+@functools.partial(jax.jit, inline=True, static_argnums=3)
 def _correction(one_minus_b1: jax.typing.ArrayLike,
                 one_minus_b2: jax.typing.ArrayLike, count: jax.Array,
                 dtype: np.dtype) -> jax.Array:
-  # One call per use in a trace (traced once per signature).
+  # Traced once per signature, inlined where it is called.
   return (jnp.sqrt(numerics.one_minus_power_of(one_minus_b2, count, dtype))
           / numerics.one_minus_power_of(one_minus_b1, count, dtype))
 

@@ -18,9 +18,11 @@ the rule's update and the write-back.
 Code that touches rows outside `lazy(...)` (a gradient built by
 `SparseRows(...)`, `apply_updates` of an update) follows the `SparseRows`'s
 own `impl` (`'auto'` or `'xla'`, part of its tree structure, given where
-the gradient is built and kept by `lazy(...)`'s update): `for_array(x,
-impl)`, the same rule with that `impl=`. `lazy(...)` moves a table's rows
-with XLA where it, a rule or the gradient asks for `'xla'`.
+the gradient is built and kept by `lazy(...)`'s update, whose tree
+structure must stay its gradient's for `optax.apply_if_finite`'s
+`lax.cond`): `for_array(x, impl)`, the same rule with that `impl=`.
+`lazy(...)` moves a table's rows with XLA where it, a rule or the gradient
+asks for `'xla'`; the update's scatter-add follows the gradient.
 """
 
 from __future__ import annotations

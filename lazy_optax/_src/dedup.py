@@ -114,11 +114,11 @@ def _slots_search(ids: jax.Array, num_rows: int, search: str = 'scan'
   return unique_ids, slot
 
 
-@functools.partial(jax.jit, static_argnums=(2, 3))
+@functools.partial(jax.jit, inline=True, static_argnums=(2, 3))
 def _xla_unique_rows(ids: jax.Array, values: jax.Array, num_rows: int,
                      method: str = 'auto') -> tuple[jax.Array, jax.Array]:
-  # Traced once per signature: a step of many tables of one shape, or many
-  # steps, reuse the trace.
+  # Traced once per signature and inlined: a step of many tables of one
+  # shape, or many traces of a step, reuse the trace.
   n = ids.shape[0]
   if _use_packed(num_rows, n, ids.dtype, method):
     unique_ids, slot = _slots_packed(ids, num_rows)
@@ -169,7 +169,7 @@ def unique_rows(ids: jax.Array, values: jax.Array, num_rows: int,
   return _xla_unique_rows(ids, values, num_rows, method)
 
 
-@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(jax.jit, inline=True, static_argnums=1)
 def increasing(ids: jax.Array, num_rows: int) -> jax.Array:
   """Whether every row id in `[0, num_rows)` exceeds all row ids before it.
 

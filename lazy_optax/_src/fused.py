@@ -33,11 +33,13 @@ gets plain arrays and computes on them.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Mapping, NamedTuple, Optional, TypeVar, Union
 import warnings
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lazy_optax._src import backend as _backend
@@ -278,18 +280,67 @@ def refusal(facts: RuleFacts,
   return ''
 
 
+def traced_once(fn: Callable[..., Any], *args: Any) -> Any:
+  """`fn(*args)`, traced once per signature and inlined where it is called.
+
+  The arrays among `args`' leaves are the jitted call's arguments; every
+  other leaf (a Python number among the hyperparameters) is static, so the
+  step holds the operations `fn` called directly would put there. Where a
+  leaf cannot be hashed, `fn` is called directly.
+  """
+  leaves, tree = jax.tree.flatten(args)
+  dynamic = tuple(isinstance(x, (jax.Array, np.ndarray, np.generic))
+                  for x in leaves)
+  static = tuple(None if d else _Exact(x) for d, x in zip(dynamic, leaves))
+  try:
+    hash((fn, static))
+  except TypeError:
+    return fn(*args)
+  return _call(fn, tree, dynamic, static,
+               *(x for d, x in zip(dynamic, leaves) if d))
+
+
+class _Exact:
+  """A static leaf, equal to another of the same type and exact value
+  only: a trace made for `0` is not reused for `False`, nor `0.0`'s for
+  `-0.0` or `2`'s for `2.0`."""
+
+  __slots__ = ('value', 'key')
+
+  def __init__(self, value: Any):
+    self.value = value
+    self.key = (type(value), repr(value)
+                if isinstance(value, (int, float, complex)) else value)
+
+  def __hash__(self) -> int:
+    return hash(self.key)
+
+  def __eq__(self, other: object) -> bool:
+    return isinstance(other, _Exact) and self.key == other.key
+
+
+@functools.partial(jax.jit, inline=True, static_argnums=(0, 1, 2, 3))
+def _call(fn: Callable[..., Any], tree: jax.tree_util.PyTreeDef,
+          dynamic: tuple[bool, ...], static: tuple[Optional[_Exact], ...],
+          *arrays: jax.Array) -> Any:
+  given = iter(arrays)
+  leaves = [next(given) if d else s.value  # type: ignore[union-attr]
+            for d, s in zip(dynamic, static)]
+  return fn(*jax.tree.unflatten(tree, leaves))
+
+
 def _step(rule: RowRule, g: jax.Array, stored: dict[str, jax.Array],
           params: Optional[jax.Array], hyper: object,
           rows: dict[str, jax.Array]) -> jax.Array:
   if rule.step_reads_old_rows:
-    return rule.step(g, stored, params, hyper, rows)
-  return rule.step(g, stored, params, hyper)
+    return traced_once(rule.step, g, stored, params, hyper, rows)
+  return traced_once(rule.step, g, stored, params, hyper)
 
 
 def _dense(rule: RowRule, g: jax.Array, rows: dict[str, jax.Array],
            params: Optional[jax.Array], hyper: object
            ) -> tuple[jax.Array, dict[str, jax.Array]]:
-  new = rule.new_rows(g, rows, params, hyper)
+  new = traced_once(rule.new_rows, g, rows, params, hyper)
   stored = {k: new[k].astype(rows[k].dtype) for k in rows}
   return _step(rule, g, stored, params, hyper, rows).astype(g.dtype), stored
 
@@ -301,7 +352,7 @@ def _xla_tables(rule: RowRule, g: jax.Array, tables: dict[str, jax.Array],
                 ) -> tuple[dict[str, jax.Array], jax.Array]:
   """The new tables (rows written by XLA) and the step."""
   rows = {k: row_ops.gather(t, ids, backend) for k, t in tables.items()}
-  new = rule.new_rows(g, rows, params, hyper)
+  new = traced_once(rule.new_rows, g, rows, params, hyper)
   stored = {k: new[k].astype(rows[k].dtype) for k in rows}
   out = {k: row_ops.put(tables[k], ids, stored[k], backend) for k in tables}
   if reread:

@@ -141,10 +141,11 @@ def _encode(ids: XpArray, xp: ModuleType) -> XpArray:
   return whole * xp.asarray(UNIT, CODE_DTYPE)
 
 
-@jax.jit
+@functools.partial(jax.jit, inline=True)
 def _encode_traced(ids: jax.Array) -> jax.Array:
-  """`_encode` with `jax.numpy`, traced once per shape and dtype (a step
-  that reads codes of one shape many times adds one call each)."""
+  """`_encode` with `jax.numpy`, traced once per shape and dtype and
+  inlined (a step that reads codes of one shape many times, or many traces
+  of a step, reuse the trace)."""
   return _encode(ids, jnp)
 
 
@@ -245,9 +246,9 @@ def decode(code: jax.Array, id_dtype: jax.typing.DTypeLike
   return Decoded(*(_placed(x, code) for x in read))
 
 
-@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(jax.jit, inline=True, static_argnums=1)
 def _decode_traced(code: jax.Array, id_dtype: np.dtype) -> Decoded[jax.Array]:
-  """`_decode` with `jax.numpy`, traced once per shape and dtype."""
+  """`_decode` with `jax.numpy`, traced once per shape and dtype, inlined."""
   return _decode(code, id_dtype, jnp)
 
 
@@ -378,19 +379,19 @@ def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
   return _kept_traced(decoded, hurt, num_rows)
 
 
-@functools.partial(jax.jit, static_argnums=2)
+@functools.partial(jax.jit, inline=True, static_argnums=2)
 def _inspect(code: jax.Array, values: jax.Array, num_rows: int
              ) -> tuple[Decoded[jax.Array], jax.Array, jax.Array]:
   """What `safe_ids` reads of a code with `jax.numpy` (traced once per
-  signature): the decoded code, its damaged entries and how many of them
-  have finite values (the damage to report)."""
+  signature, inlined): the decoded code, its damaged entries and how many
+  of them have finite values (the damage to report)."""
   decoded = _decode(code, index_dtype(num_rows), jnp)
   hurt = damaged(decoded, values)
   finite = jnp.all(jnp.isfinite(values.reshape(values.shape[0], -1)), axis=1)
   return decoded, hurt, jnp.sum(hurt & finite, dtype=jnp.int32)
 
 
-@functools.partial(jax.jit, static_argnums=2)
+@functools.partial(jax.jit, inline=True, static_argnums=2)
 def _kept_traced(read: Decoded[jax.Array], hurt: jax.Array, num_rows: int
                  ) -> jax.Array:
   return _kept(read, hurt, num_rows, jnp)
@@ -466,7 +467,7 @@ class RowIds:
     return _in_range(self.given, num_rows)
 
 
-@functools.partial(jax.jit, static_argnums=1)
+@functools.partial(jax.jit, inline=True, static_argnums=1)
 def _in_range(ids: jax.Array, num_rows: int) -> jax.Array:
   """`ids`, each outside `[0, num_rows)` set to `num_rows`."""
   return jnp.where((ids >= 0) & (ids < num_rows), ids,

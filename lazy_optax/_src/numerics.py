@@ -61,13 +61,13 @@ def complement(decay: ArrayLike, dtype: DTypeLike) -> ArrayLike:
   return jnp.asarray(1 - decay, dtype)
 
 
-@functools.partial(jax.jit, static_argnums=2)
+@functools.partial(jax.jit, inline=True, static_argnums=2)
 def one_minus_power_of(one_minus_decay: jax.typing.ArrayLike,
                        count: jax.Array, dtype: np.dtype) -> jax.Array:
-  """`one_minus_power` of `complement(decay, dtype)`: one call per use in
-  a trace (the arithmetic traced once per signature)."""
+  """`one_minus_power` of `complement(decay, dtype)` (traced once per
+  signature, inlined where it is called)."""
   t = jnp.asarray(count).astype(dtype)
-  return -jnp.expm1(t * jnp.log1p(-one_minus_decay))
+  return -jnp.expm1(t * jnp.log1p(-jnp.asarray(one_minus_decay)))
 
 
 def power(decay: ArrayLike, count: jax.Array, dtype: DTypeLike) -> jax.Array:

@@ -13,6 +13,7 @@ Ids outside `[0, num_rows)` read zeros and write nothing either way.
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
@@ -40,21 +41,21 @@ def _kernel_ids(ids: jax.Array) -> bool:
   return jnp.dtype(ids.dtype) == jnp.dtype(jnp.int32)
 
 
-# XLA's row moves are jitted: traced once per signature, so a step of many
-# tables, or many traces of one step, reuse the trace (one call each).
-@jax.jit
+# XLA's row moves are traced once per signature and inlined, so a step of
+# many tables, or many traces of one step, reuse the trace.
+@functools.partial(jax.jit, inline=True)
 def _xla_gather(table: jax.Array, ids: jax.Array) -> jax.Array:
   return table.at[ids].get(mode='fill', fill_value=0,
                            **_sharding.gather_kwargs(table))
 
 
-@jax.jit
+@functools.partial(jax.jit, inline=True)
 def _xla_put(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
   return table.at[ids].set(rows.astype(table.dtype), mode='drop',
                            **_sharding.scatter_kwargs(table))
 
 
-@jax.jit
+@functools.partial(jax.jit, inline=True)
 def _xla_add(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
   return table.at[ids].add(rows.astype(table.dtype), mode='drop',
                            **_sharding.scatter_kwargs(table))
