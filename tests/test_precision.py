@@ -1,10 +1,8 @@
 """Low-precision tables with float32 moments, float64 under x64, and memory."""
 
-import os
-import subprocess
-import sys
 import textwrap
 
+import fork_server
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -129,8 +127,12 @@ def test_default_moment_dtype_follows_table():
     assert optax.tree_utils.tree_get(state, name)['table'].dtype == jnp.float32
 
 
+# Run in a process forked from one that imported jax and lazy_optax and
+# computed nothing (tests/fork_server.py): x64 is switched on before the
+# first array, as JAX_ENABLE_X64=1 at start-up does.
 _X64_SCRIPT = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np
+    jax.config.update('jax_enable_x64', True)
     assert jax.config.jax_enable_x64
     import lazy_optax
     from reference import TFLazyAdam  # tests/ is on PYTHONPATH (conftest.py)
@@ -166,12 +168,14 @@ _X64_SCRIPT = textwrap.dedent('''
 ''')
 
 
+# What the server imports before forking (the other tests' fork servers of
+# one device import the same: one server per pytest process serves them all).
+_PRELOADED = ('numpy', 'jax', 'jax.numpy', 'optax', 'lazy_optax')
+
+
 def test_float64_under_x64():
-  env = dict(os.environ, JAX_ENABLE_X64='1')
-  env.pop('XLA_FLAGS', None)
-  proc = subprocess.run(
-      [sys.executable, '-c', _X64_SCRIPT],
-      env=env, capture_output=True, text=True, timeout=300)
+  (proc,) = fork_server.run_scripts([_X64_SCRIPT], {'JAX_ENABLE_X64': '1'},
+                                    preloaded=_PRELOADED)
   assert proc.returncode == 0 and proc.stdout.strip() == 'ok', (
       proc.stdout[-2000:] + proc.stderr[-4000:])
 
