@@ -77,14 +77,6 @@ def _check_structure(state: optax.OptState, probe: optax.OptState,
         f' expected: {probe_def}\n got: {state_def}')
 
 
-def _other_params(where: str, shape: tuple[int, ...],
-                  expected: tuple[int, ...]) -> ValueError:
-  return ValueError(
-      f'Optimizer state leaf {where} has shape {shape}, but this '
-      f"transformation's init gives {expected} for these parameters: was "
-      'the state built by another optimizer or for other parameters?')
-
-
 def _not_row_by_row(where: str, shape: tuple[int, ...],
                     across_rows: bool) -> ValueError:
   if across_rows:
@@ -135,7 +127,10 @@ def _leaf_owner(where: str, shape: tuple[int, ...], probe: tuple[int, ...],
   else:
     raise _not_row_by_row(where, shape, across_rows=False)
   if shape != expected:
-    raise _other_params(where, shape, expected)
+    raise ValueError(
+        f'Optimizer state leaf {where} has shape {shape}, but this '
+        f"transformation's init gives {expected} for these parameters: was "
+        'the state built by another optimizer or for other parameters?')
   return owner
 
 
