@@ -25,13 +25,6 @@ from lazy_optax._src.paths import path_name
 _FIRST_PROBE = 1_000_003
 
 
-def _all_dims(tree: object) -> set[int]:
-  dims: set[int] = set()
-  for leaf in jax.tree.leaves(tree):
-    dims.update(int(d) for d in getattr(leaf, 'shape', ()))
-  return dims
-
-
 def _probe_shapes(
     param_shapes: Sequence[jax.ShapeDtypeStruct],
     row_param_positions: Sequence[int],
@@ -162,7 +155,8 @@ def row_owners(
       transformation or a leaf depends on a table in a way other than one
       entry per row.
   """
-  used = _all_dims((state, param_shapes))
+  used = {int(d) for leaf in jax.tree.leaves((state, param_shapes))
+          for d in getattr(leaf, 'shape', ())}
   probe_shapes, probe_of = _probe_shapes(param_shapes, row_param_positions,
                                          used)
   probe = jax.eval_shape(lambda s: init_fn(rebuild_params(s)),
