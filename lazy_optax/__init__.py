@@ -17,13 +17,16 @@ imported on request: `lazy_optax.flax`, `lazy_optax.haiku`,
 `lazy_optax.equinox`.
 """
 
-from lazy_optax import checks
-from lazy_optax import compat
-from lazy_optax import perf
-from lazy_optax import precision
-from lazy_optax import sharding
-from lazy_optax import tree
-from lazy_optax import wrappers
+import operator as _operator
+import sys as _sys
+
+from lazy_optax import checks as checks
+from lazy_optax import compat as compat
+from lazy_optax import perf as perf
+from lazy_optax import precision as precision
+from lazy_optax import sharding as sharding
+from lazy_optax import tree as tree
+from lazy_optax import wrappers as wrappers
 from lazy_optax._src import deprecations as _deprecations
 from lazy_optax._src.adam import lazy_adam
 from lazy_optax._src.adam import lazy_adamw
@@ -134,56 +137,27 @@ __all__ = (
 # Names that moved in 0.2. They keep working until 0.3, each use with a
 # DeprecationWarning that names the new place; see CHANGELOG.md.
 _MOVED = {
-    old: _deprecations.Moved(f'lazy_optax.{new}', obj)
-    for old, new, obj in (
-        ('tree_add', 'tree.add', tree.add),
-        ('tree_scale', 'tree.scale', tree.scale),
-        ('tree_psum', 'tree.psum', tree.psum),
-        ('tree_pmean', 'tree.pmean', tree.pmean),
-        ('is_sparse_rows', 'tree.is_sparse_rows', tree.is_sparse_rows),
-        ('deduplicate', 'tree.deduplicate', tree.deduplicate),
-        ('path_name', 'tree.path_name', tree.path_name),
-        ('path_labels', 'tree.path_labels', tree.path_labels),
-        ('with_id_checks', 'checks.with_id_checks', checks.with_id_checks),
-        ('checked', 'checks.checked', checks.checked),
-        ('CheckError', 'checks.CheckError', checks.CheckError),
-        ('check_ids_in_range', 'checks.check_ids_in_range',
-         checks.check_ids_in_range),
-        ('state_shardings', 'sharding.state_shardings',
-         sharding.state_shardings),
-        ('init_sharded', 'sharding.init_sharded', sharding.init_sharded),
-        ('make_train_step', 'perf.make_train_step', perf.make_train_step),
-        ('warn_if_not_donated', 'perf.warn_if_not_donated',
-         perf.warn_if_not_donated),
-        ('advise_huge_pages', 'perf.advise_huge_pages',
-         perf.advise_huge_pages),
-        ('apply_updates_stochastic', 'precision.apply_updates_stochastic',
-         precision.apply_updates_stochastic),
-        ('stochastic_round', 'precision.stochastic_round',
-         precision.stochastic_round),
-        ('multi_steps', 'wrappers.multi_steps', wrappers.multi_steps),
-        ('MultiStepsState', 'wrappers.MultiStepsState',
-         wrappers.MultiStepsState),
-        ('row_adam', 'adam_with_counter', adam_with_counter),
-        ('scale_by_row_adam', 'scale_by_adam_with_counter',
-         scale_by_adam_with_counter),
-        ('ScaleByRowAdamState', 'ScaleByAdamWithCounterState',
-         ScaleByAdamWithCounterState),
-        ('RowwiseAdagradWithCounterState',
-         'ScaleByRowwiseAdagradWithCounterState',
-         ScaleByRowwiseAdagradWithCounterState),
-        ('RowwiseRmspropArState', 'ScaleByRowwiseRmspropArState',
-         ScaleByRowwiseRmspropArState),
-        ('FtrlState', 'ScaleByFtrlState', ScaleByFtrlState),
-        # TensorFlow/Keras helpers, in lazy_optax.compat since 0.2.
-        ('clipnorm', 'compat.clipnorm', compat.clipnorm),
-        ('clipvalue', 'compat.clipvalue', compat.clipvalue),
-        ('global_clipnorm', 'compat.global_clipnorm', compat.global_clipnorm),
-        ('get_slot', 'compat.get_slot', compat.get_slot),
-        ('get_slot_names', 'compat.get_slot_names', compat.get_slot_names),
-        ('global_step', 'compat.global_step', compat.global_step),
-        ('per_pattern_lr', 'compat.per_pattern_lr', compat.per_pattern_lr),
-    )
+    old: _deprecations.Moved(f'lazy_optax.{new}', _operator.attrgetter(new)(
+        _sys.modules[__name__]))
+    for old, new in dict(
+        tree_add='tree.add', tree_scale='tree.scale', tree_psum='tree.psum',
+        tree_pmean='tree.pmean', row_adam='adam_with_counter',
+        scale_by_row_adam='scale_by_adam_with_counter',
+        ScaleByRowAdamState='ScaleByAdamWithCounterState',
+        RowwiseAdagradWithCounterState='ScaleByRowwiseAdagradWithCounterState',
+        RowwiseRmspropArState='ScaleByRowwiseRmspropArState',
+        FtrlState='ScaleByFtrlState',
+        # Names kept in a submodule; compat: TensorFlow/Keras helpers, 0.2.
+        **{name: f'{module}.{name}' for module, names in (
+            ('tree', 'is_sparse_rows deduplicate path_name path_labels'),
+            ('checks', 'with_id_checks checked CheckError check_ids_in_range'),
+            ('sharding', 'state_shardings init_sharded'),
+            ('perf', 'make_train_step warn_if_not_donated advise_huge_pages'),
+            ('precision', 'apply_updates_stochastic stochastic_round'),
+            ('wrappers', 'multi_steps MultiStepsState'),
+            ('compat', 'clipnorm clipvalue global_clipnorm get_slot '
+             'get_slot_names global_step per_pattern_lr'),
+        ) for name in names.split()}).items()
 }
 
 __getattr__ = _deprecations.moved_names_getattr(__name__, _MOVED)

@@ -36,7 +36,6 @@ would have (at the current learning rate).
 
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Optional
 
 import chex
@@ -76,17 +75,6 @@ def _no_decay(weight_decay: jax.typing.ArrayLike) -> bool:
   """Whether weight decay is off: a Python 0 (an array, such as one that
   `optax.inject_hyperparams` passes, may change, so it counts as on)."""
   return isinstance(weight_decay, (int, float)) and weight_decay == 0
-
-
-def _check_args(fn, b1, b2, eps, eps_root, weight_decay, bias_correction):
-  if bias_correction not in _BIAS_CORRECTIONS:
-    raise ValueError(
-        f'{fn}: bias_correction must be one of {_BIAS_CORRECTIONS}, got '
-        f'{bias_correction!r}.')
-  validate.hyperparameters(
-      fn, beta=dict(b1=b1, b2=b2), non_negative=dict(
-          eps=eps, eps_root=eps_root, weight_decay=weight_decay))
-
 
 
 class _Config(NamedTuple):
@@ -212,78 +200,6 @@ def _row_rule(cfg: _Config, needs_params: bool) -> fused.RowRule:
                        needs_params=needs_params, step_reads_old_rows=True)
 
 
-def _row_counters(p: jax.Array) -> jax.Array:
-  """A zero int32 counter per row of `p` (a scalar for a scalar)."""
-  return per_row_full(p, jnp.int32)
-
-
-def _init_state(params: optax.Params,
-                mu_dtype: Optional[jax.typing.DTypeLike],
-                nu_dtype: Optional[jax.typing.DTypeLike]
-                ) -> ScaleByAdamWithCounterState:
-  """The state before the first step: zero moments, counts and steps."""
-  return ScaleByAdamWithCounterState(
-      count=jnp.zeros([], jnp.int32),
-      mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
-      nu=optax.tree_utils.tree_zeros_like(params, dtype=nu_dtype),
-      row_count=jax.tree.map(_row_counters, params),
-      last_step=jax.tree.map(_row_counters, params))
-
-
-class _Settings(NamedTuple):
-  """What the rule's update needs besides its arguments."""
-  rule: fused.RowRule
-  learning_rate: Optional[optax.ScalarOrSchedule]  # None: none applied
-  decays_on: bool  # whether weight decay is on (the rule reads params)
-  mask: Optional[Mask]
-  impl: str
-
-
-def _learning_rate_at(learning_rate: Optional[optax.ScalarOrSchedule],
-                      count: jax.Array
-                      ) -> Optional[jax.typing.ArrayLike]:
-  """The learning rate at the global step `count` (None: none applied)."""
-  if learning_rate is None:
-    return None
-  return (learning_rate(count) if callable(learning_rate)
-          else learning_rate)
-
-
-def _decays(mask: Optional[Mask], updates: optax.Updates,
-            params: Optional[optax.Params]) -> list[bool]:
-  """Which leaves decay (weight decay on): `mask` over the parameters."""
-  if params is None:
-    raise ValueError(
-        'adam_with_counter with weight_decay needs params in '
-        'update(grads, state, params).')
-  return mask_leaves(mask, params, jax.tree.structure(updates))
-
-
-def _leaf_hyper(decays: Optional[list[bool]], i: int,
-                hyper: AdamWithCounterHyper) -> AdamWithCounterHyper:
-  """`hyper` for leaf `i`: whether it decays."""
-  return hyper._replace(decay=decays is not None and bool(decays[i]))
-
-
-def _update(settings: _Settings, updates: optax.Updates,
-            state: ScaleByAdamWithCounterState,
-            params: Optional[optax.Params], extra_args: dict[str, object]
-            ) -> tuple[optax.Updates, ScaleByAdamWithCounterState]:
-  """One step of the rule on every leaf (fused inside `lazy(...)`)."""
-  count = optax.safe_increment(state.count)
-  lr = _learning_rate_at(settings.learning_rate, state.count)
-  decays = (_decays(settings.mask, updates, params) if settings.decays_on
-            else None)
-  hyper = AdamWithCounterHyper(count=count, lr=lr, decay=False)
-  new_updates, new = fused.apply_rule(
-      settings.rule, updates, {'mu': state.mu, 'nu': state.nu,
-                               'row_count': state.row_count,
-                               'last_step': state.last_step},
-      params if settings.decays_on else None, hyper, settings.impl,
-      leaf_hyper=functools.partial(_leaf_hyper, decays))
-  return new_updates, ScaleByAdamWithCounterState(count, **new)
-
-
 def _adam_with_counter_rule(
     *,
     b1: float,
@@ -302,21 +218,53 @@ def _adam_with_counter_rule(
     fn: str = 'scale_by_adam_with_counter',
 ) -> optax.GradientTransformationExtraArgs:
   """The per-row rule, dense or fused inside `lazy(...)`."""
-  _check_args(fn, b1, b2, eps, eps_root, weight_decay, bias_correction)
+  if bias_correction not in _BIAS_CORRECTIONS:
+    raise ValueError(
+        f'{fn}: bias_correction must be one of {_BIAS_CORRECTIONS}, got '
+        f'{bias_correction!r}.')
+  validate.hyperparameters(
+      fn, beta=dict(b1=b1, b2=b2), non_negative=dict(
+          eps=eps, eps_root=eps_root, weight_decay=weight_decay))
   fused.check_impl(impl, fn)
   cfg = _Config(b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                 bias_correction=bias_correction, catch_up=catch_up,
                 weight_decay=weight_decay,
                 decay_skipped_steps=decay_skipped_steps)
   decays_on = not _no_decay(weight_decay)
-  settings = _Settings(_row_rule(cfg, needs_params=decays_on), learning_rate,
-                       decays_on, mask, impl)
+  rule = _row_rule(cfg, needs_params=decays_on)
 
   def init_fn(params):
-    return _init_state(params, mu_dtype, nu_dtype)
+    return ScaleByAdamWithCounterState(
+        count=jnp.zeros([], jnp.int32),
+        mu=optax.tree_utils.tree_zeros_like(params, dtype=mu_dtype),
+        nu=optax.tree_utils.tree_zeros_like(params, dtype=nu_dtype),
+        row_count=jax.tree.map(lambda p: per_row_full(p, jnp.int32), params),
+        last_step=jax.tree.map(lambda p: per_row_full(p, jnp.int32), params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    return _update(settings, updates, state, params, extra_args)
+    count = optax.safe_increment(state.count)
+    lr = (learning_rate(state.count) if callable(learning_rate)
+          else learning_rate)  # None: no learning rate applied
+    decays = None
+    if decays_on:
+      if params is None:
+        raise ValueError(
+            'adam_with_counter with weight_decay needs params in '
+            'update(grads, state, params).')
+      decays = mask_leaves(mask, params, jax.tree.structure(updates))
+
+    def leaf_hyper(i: int, hyper: AdamWithCounterHyper
+                   ) -> AdamWithCounterHyper:
+      return hyper._replace(decay=decays is not None and bool(decays[i]))
+
+    new_updates, new = fused.apply_rule(
+        rule, updates, {'mu': state.mu, 'nu': state.nu,
+                        'row_count': state.row_count,
+                        'last_step': state.last_step},
+        params if decays_on else None,
+        AdamWithCounterHyper(count=count, lr=lr, decay=False), impl,
+        leaf_hyper=leaf_hyper)
+    return new_updates, ScaleByAdamWithCounterState(count, **new)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

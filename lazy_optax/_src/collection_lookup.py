@@ -110,22 +110,14 @@ def _stack_ids(run: Sequence[_Slots], id_dtype: DTypeLike) -> jax.Array:
   return jnp.where((ids >= 0) & (ids < rows), ids + offsets, -1)
 
 
-def _run_active(run: Sequence[_Slots]) -> Optional[jax.Array]:
-  """Which slots of a run's ids (`_stack_ids`' order) are real (None: all)."""
-  if all(s.active is None for s in run):
-    return None
-  return jnp.stack([jnp.ones(s.ids.shape, bool) if s.active is None
-                    else s.active for s in run], axis=-1).reshape(-1)
-
-
 def _stack_active(runs: Sequence[Sequence[_Slots]]) -> Optional[jax.Array]:
-  """Which slots of the stack's ids are real (None: all)."""
-  parts = [_run_active(run) for run in runs]
-  if all(p is None for p in parts):
+  """Which of the stack's ids (`_stack_ids`' order) are real (None: all)."""
+  if all(s.active is None for run in runs for s in run):
     return None
   return jnp.concatenate([
-      jnp.ones(len(run) * run[0].ids.size, bool) if p is None else p
-      for run, p in zip(runs, parts)])
+      jnp.stack([jnp.ones(s.ids.shape, bool) if s.active is None
+                 else s.active for s in run], axis=-1).reshape(-1)
+      for run in runs])
 
 
 def read_stack(table: ArrayLike, stack: Stack, slots: Sequence[_Slots],

@@ -190,13 +190,6 @@ class Stack:
             f'optimizer {self.optimizer!r}, lr x {lr}; {spans})')
 
 
-def _auto_name(spec: TableSpec, linear: bool) -> str:
-  name = f'{spec.optimizer}_{spec.dtype}_{spec.width}'
-  if linear or spec.lr_multiplier == 1.0:
-    return name
-  return f'{name}_lr{spec.lr_multiplier:g}'
-
-
 def _check_forced(name: str, specs: Sequence[TableSpec], linear: bool) -> None:
   """A forced stack's tables must agree on what the stacking rule needs."""
   first = specs[0]
@@ -238,8 +231,10 @@ def make_plan(tables: Sequence[TableSpec],
   """
   groups: dict[str, list[TableSpec]] = {}
   for spec in tables:
-    linear = spec.optimizer in linear_in_lr
-    groups.setdefault(spec.stack or _auto_name(spec, linear), []).append(spec)
+    lr = ('' if spec.optimizer in linear_in_lr or spec.lr_multiplier == 1.0
+          else f'_lr{spec.lr_multiplier:g}')
+    name = spec.stack or f'{spec.optimizer}_{spec.dtype}_{spec.width}{lr}'
+    groups.setdefault(name, []).append(spec)
   plan = []
   for name, specs in groups.items():
     _check_forced(name, specs, specs[0].optimizer in linear_in_lr)

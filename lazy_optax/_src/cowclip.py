@@ -105,14 +105,6 @@ def _report_mismatch(differ: np.ndarray, wheres: tuple[str, ...]) -> np.ndarray:
   return np.zeros((), np.int32)
 
 
-def _differing_slots(ids: jax.Array, count_ids: jax.Array,
-                     num_rows: int) -> jax.Array:
-  """How many slots of the gradient and of its counts name other rows."""
-  named = ((ids >= 0) & (ids < num_rows)) | (
-      (count_ids >= 0) & (count_ids < num_rows))
-  return jnp.sum((ids != count_ids) & named).astype(jnp.int32)
-
-
 def _check_same_ids(differ: list[jax.Array],
                     wheres: tuple[str, ...]) -> jax.Array:
   """An int32 zero; when the step runs, raises if any table's counts name
@@ -155,8 +147,11 @@ def _row_counts(counts: SparseRows, g: jax.Array, where: str,
         f'cowclip: counts for {where} hold {count_ids.shape[0]} ids, its '
         f'gradient {table.ids.shape[0]}: build them with lazy_optax.id_counts '
         'from the same batch ids the loss looked up.')
+  ids = table.ids  # count the slots where it and its counts differ
+  named = ((ids >= 0) & (ids < num_rows)) | (
+      (count_ids >= 0) & (count_ids < num_rows))
   return _Counts(_first_entry(values),
-                 _differing_slots(table.ids, count_ids, num_rows))
+                 jnp.sum((ids != count_ids) & named).astype(jnp.int32))
 
 
 def _leaf_counts(g: jax.Array, c: Optional[SparseRows], where: str,

@@ -46,12 +46,6 @@ def _row_kernels(values: jax.Array, impl: str) -> bool:
   return _backend.for_array(values, impl).row_kernels
 
 
-def _as_backend(values: jax.Array, row_kernels: bool) -> _backend.Backend:
-  return _backend.Backend(
-      'cpu_kernel' if row_kernels else 'xla', 'where the gradient is built',
-      row_kernels, _backend.placement(values))
-
-
 def from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
              impl: str = 'auto') -> tuple[jax.Array, jax.Array]:
   """Distinct ids and summed values of `(ids, values)`, in `N` slots.
@@ -86,7 +80,9 @@ def _from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
   outside = (ids < 0) | (ids > num_rows)
   safe = jnp.where(outside, jnp.asarray(num_rows, ids.dtype), ids)
   unique_ids, summed = dedup.unique_rows(
-      safe, values, num_rows, _as_backend(values, row_kernels))
+      safe, values, num_rows, _backend.Backend(
+          'cpu_kernel' if row_kernels else 'xla', 'where the gradient is built',
+          row_kernels, _backend.placement(values)))
   unique_ids = branching.per_platform(
       functools.partial(keep_out_of_range_skipping, num_rows=num_rows),
       functools.partial(keep_out_of_range_branch_free, num_rows=num_rows),

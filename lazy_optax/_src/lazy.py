@@ -146,12 +146,6 @@ def _check_dense_tables(leaves: _Leaves, skip_zero_rows: bool,
       raise ValueError(_dense_table_message(name))
 
 
-def _touched_rows(grad: jax.Array) -> jax.Array:
-  if grad.ndim == 1:
-    return grad != 0
-  return jnp.any(grad != 0, axis=tuple(range(1, grad.ndim)))
-
-
 def _row_leaves(leaves: _Leaves, skip_zero_rows: bool,
                 backends: Optional[dict[int, _backend.Backend]]
                 ) -> tuple[dict[int, _RowLeaf],
@@ -168,7 +162,9 @@ def _row_leaves(leaves: _Leaves, skip_zero_rows: bool,
     elif hasattr(g, 'dtype'):
       validate.floating(g.dtype, f'Gradient for parameter {name}')
     if skip_zero_rows and not isinstance(g, SparseRows) and jnp.ndim(g) >= 1:
-      rows[i] = _RowLeaf(None, _touched_rows(jnp.asarray(g)))
+      nonzero = jnp.asarray(g) != 0
+      rows[i] = _RowLeaf(None, jnp.any(nonzero, axis=tuple(
+          range(1, nonzero.ndim))) if nonzero.ndim > 1 else nonzero)
   return rows, row_grads
 
 

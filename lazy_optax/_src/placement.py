@@ -20,7 +20,7 @@ A concrete array (an eager call) says the same through its `sharding`.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional
 
 import jax
 from jax.typing import ArrayLike
@@ -47,14 +47,6 @@ class Placement(NamedTuple):
   split_within_rows: bool = False
 
 
-def _row_axes(
-    spec: tuple[Union[str, tuple[str, ...], None], ...]) -> tuple[str, ...]:
-  if not len(spec) or spec[0] is None:
-    return ()
-  first = spec[0]
-  return tuple(first) if isinstance(first, (tuple, list)) else (first,)
-
-
 def _platform(mesh: object) -> Optional[str]:
   device = getattr(mesh, 'abstract_device', None)
   return getattr(device, 'platform', None)
@@ -79,6 +71,9 @@ def placement(x: ArrayLike) -> Placement:
     return Placement('one', _platform(mesh) if mesh is not None else None)
   if getattr(mesh, 'explicit_axes', ()):
     spec = tuple(sharding.spec)
-    return Placement('explicit', _platform(mesh), mesh, _row_axes(spec),
+    rows = spec[0] if spec else None  # the row axis' mesh axes
+    row_axes = (() if rows is None else tuple(rows)
+                if isinstance(rows, (tuple, list)) else (rows,))
+    return Placement('explicit', _platform(mesh), mesh, row_axes,
                      any(axis is not None for axis in spec[1:]))
   return Placement('auto', _platform(mesh))

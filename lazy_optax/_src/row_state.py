@@ -25,13 +25,6 @@ from lazy_optax._src.paths import path_name
 _FIRST_PROBE = 1_000_003
 
 
-def _all_dims(tree: object) -> set[int]:
-  dims: set[int] = set()
-  for leaf in jax.tree.leaves(tree):
-    dims.update(int(d) for d in getattr(leaf, 'shape', ()))
-  return dims
-
-
 def _probe_shapes(
     param_shapes: Sequence[jax.ShapeDtypeStruct],
     row_param_positions: Sequence[int],
@@ -75,14 +68,6 @@ def _check_structure(state: optax.OptState, probe: optax.OptState,
         'transformation\'s init gives for these parameters: was it built by '
         f'another optimizer or for other parameters? {difference}.\n'
         f' expected: {probe_def}\n got: {state_def}')
-
-
-def _other_params(where: str, shape: tuple[int, ...],
-                  expected: tuple[int, ...]) -> ValueError:
-  return ValueError(
-      f'Optimizer state leaf {where} has shape {shape}, but this '
-      f"transformation's init gives {expected} for these parameters: was "
-      'the state built by another optimizer or for other parameters?')
 
 
 def _not_row_by_row(where: str, shape: tuple[int, ...],
@@ -135,7 +120,10 @@ def _leaf_owner(where: str, shape: tuple[int, ...], probe: tuple[int, ...],
   else:
     raise _not_row_by_row(where, shape, across_rows=False)
   if shape != expected:
-    raise _other_params(where, shape, expected)
+    raise ValueError(
+        f'Optimizer state leaf {where} has shape {shape}, but this '
+        f"transformation's init gives {expected} for these parameters: was "
+        'the state built by another optimizer or for other parameters?')
   return owner
 
 
@@ -167,7 +155,8 @@ def row_owners(
       transformation or a leaf depends on a table in a way other than one
       entry per row.
   """
-  used = _all_dims((state, param_shapes))
+  used = {int(d) for leaf in jax.tree.leaves((state, param_shapes))
+          for d in getattr(leaf, 'shape', ())}
   probe_shapes, probe_of = _probe_shapes(param_shapes, row_param_positions,
                                          used)
   probe = jax.eval_shape(lambda s: init_fn(rebuild_params(s)),

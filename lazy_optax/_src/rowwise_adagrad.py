@@ -69,12 +69,6 @@ class RowwiseAdagradKernelHyper(NamedTuple):
   l2: jax.typing.ArrayLike  # FBGEMM's L2 mode (0: off)
 
 
-def _same_record(hyper: RowwiseAdagradKernelHyper
-                 ) -> RowwiseAdagradKernelHyper:
-  """The kernel's record: the rule's own (`l2` is 0 outside the L2 mode)."""
-  return hyper
-
-
 def _rule(l2: bool) -> fused.RowRule:
   """Row-wise Adagrad as a `RowRule` of a `RowwiseAdagradKernelHyper`.
 
@@ -105,8 +99,8 @@ def _rule(l2: bool) -> fused.RowRule:
     return g.astype(dtype) / broadcast_rows(denom, g)
 
   return fused.RowRule('rowwise_adagrad', new_rows, step, ('sum_of_squares',),
-                       'LazyOptaxRowwiseAdagrad', _same_record,
-                       needs_params=l2)
+                       'LazyOptaxRowwiseAdagrad', lambda hyper: hyper,
+                       needs_params=l2)  # the record is the kernel's
 
 
 def _rowwise_adagrad_rule(

@@ -155,15 +155,6 @@ def _gap(last_step: jax.Array, t: jax.Array,
   return jnp.where(last_step == 0, 1, t - last_step).astype(dtype)
 
 
-def _l2_grad(g, params, hyper: RowwiseAdagradCounterHyper, cfg: _Config,
-             dtype):
-  g = g.astype(dtype)
-  if cfg.decay_mode != 'l2':
-    return g
-  return g + jnp.asarray(hyper.wd, dtype) * jnp.asarray(params).astype(
-      dtype)
-
-
 def _lr_adjusted(m, lr, c, max_counter, cfg: _Config, dtype):
   """`m` adjusted by the learning-rate mode for rows above the threshold."""
   if cfg.lr_mode == 'equal':
@@ -240,8 +231,10 @@ def _rule(cfg: _Config) -> fused.RowRule:
     dtype = compute_dtype(g.dtype, acc.dtype, c.dtype)
     t = hyper.count
     gap = _gap(rows['last_step'], t, dtype)
-    g2 = row_mean_square(_l2_grad(g, params, hyper, cfg, dtype))
-    return {'sum_of_squares': acc.astype(dtype) + g2,
+    g = g.astype(dtype)
+    if cfg.decay_mode == 'l2':
+      g = g + jnp.asarray(hyper.wd, dtype) * jnp.asarray(params).astype(dtype)
+    return {'sum_of_squares': acc.astype(dtype) + row_mean_square(g),
             'row_counter': _new_counter(c.astype(dtype), gap, cfg.halflife),
             'last_step': jnp.broadcast_to(t, c.shape).astype(
                 rows['last_step'].dtype)}
@@ -299,13 +292,6 @@ def _checked_config(fn, eps, weight_decay, counter_weight_decay_mode,
                  threshold_is_ratio=tail_id_threshold_is_ratio)
 
 
-def _refresh_max_counter(state, count, freq):
-  """FBGEMM's refresh, at steps that are multiples of `freq`."""
-  due = (freq > 0) & (count % jnp.maximum(freq, 1) == 0)
-  return jnp.where(due, state.counter_peak + 1.0,
-                   state.max_counter).astype(jnp.float32)
-
-
 def _peak(row_counters: optax.Updates, peak: jax.Array) -> jax.Array:
   leaves = [jnp.max(c).astype(jnp.float32) for c in
             jax.tree.leaves(row_counters) if c.size]
@@ -348,7 +334,10 @@ def _transform(learning_rate: optax.ScalarOrSchedule, cfg: _Config,
                    ) -> RowwiseAdagradCounterHyper:
       return hyper if decays is None or decays[i] else hyper._replace(wd=0.0)
 
-    max_counter = _refresh_max_counter(state, count, max_counter_update_freq)
+    freq = max_counter_update_freq  # FBGEMM refreshes at its multiples
+    due = (freq > 0) & (count % jnp.maximum(freq, 1) == 0)
+    max_counter = jnp.where(due, state.counter_peak + 1.0,
+                            state.max_counter).astype(jnp.float32)
     hyper = RowwiseAdagradCounterHyper(count=count, lr=lr, wd=weight_decay,
                                        max_counter=max_counter)
     new_updates, new = fused.apply_rule(

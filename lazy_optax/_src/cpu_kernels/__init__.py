@@ -66,12 +66,6 @@ _status: Optional[Status] = None
 _fields: dict[str, tuple[str, ...]] = {}
 
 
-def _field_names(lib: Any, target: str) -> tuple[str, ...]:
-  fn = getattr(lib, f'{target}Fields')
-  fn.restype = ctypes.c_char_p
-  return tuple(fn().decode('ascii').rstrip(',').split(','))
-
-
 def _words(value: Any, is_int: bool) -> jax.Array:
   """One hyperparameter as the uint32 word the kernel reads: the bits of
   its float32 value, or of its int32 value for an int32 field."""
@@ -95,7 +89,11 @@ def _load() -> Status:
     return Status(False, found.origin)
   try:
     lib = ctypes.cdll.LoadLibrary(found.path)
-    fields = {name: _field_names(lib, name) for name in RULES}
+    fields = {}
+    for name in RULES:
+      read = getattr(lib, f'{name}Fields')
+      read.restype = ctypes.c_char_p
+      fields[name] = tuple(read().decode('ascii').rstrip(',').split(','))
     for name in TARGETS:
       jax.ffi.register_ffi_target(
           f'lazy_optax_{name}', jax.ffi.pycapsule(getattr(lib, name)),
