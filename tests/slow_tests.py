@@ -22,8 +22,11 @@ SLOW_FILES = (
     'lazy_optax/flax.py',
     'lazy_optax/haiku.py',
     'tests/test_bags.py',
+    'tests/test_bare_rules.py',
     'tests/test_colabs.py',
+    'tests/test_collection.py',
     'tests/test_collection_export.py',
+    'tests/test_collection_state.py',
     'tests/test_collection_layers.py',
     'tests/test_collection_more.py',
     'tests/test_collection_training.py',
@@ -58,6 +61,9 @@ SLOW_TESTS = {
     ),
     'lazy_optax/_src/checks.py': (
         'with_id_checks',
+    ),
+    'lazy_optax/_src/collection.py': (
+        'fresh_rows',
     ),
     'lazy_optax/_src/cowclip.py': (
         'cowclip',
@@ -152,6 +158,7 @@ SLOW_TESTS = {
         'test_check_ids_in_range_outside_jit_raises_at_once',
         'test_checked_mode_reports_out_of_range_ids_under_jit',
         'test_column_statistic_state_names_the_state_leaf',
+        'test_the_first_line_of_each_error_names_what_happened_and_the_fix',
         'test_unfactored_adafactor_table_is_fine',
     ),
     'tests/test_fused_rules.py': (
@@ -159,6 +166,7 @@ SLOW_TESTS = {
         'test_stochastic_rounding_in_the_kernel_draws_the_same_bits',
     ),
     'tests/test_grads.py': (
+        'test_a_jitted_step_is_traced_once',
         'test_has_aux_and_row_dtype',
         'test_lookups_under_inner_transformations_are_refused',
         'test_named_tables',
@@ -242,6 +250,7 @@ SLOW_TESTS = {
     'tests/test_sparse_rows.py': (
         'test_concatenate_sums_duplicates_across_parts',
         'test_concrete_and_traced_id_codes_have_the_same_bits',
+        'test_lazy_update_keeps_its_gradients_impl',
         'test_out_of_range_ids_are_kept_alike_with_and_without_a_branch',
         'test_sparse_rows_sums_duplicates_when_built',
         'test_value_and_grad_sums_duplicates_once_per_id',
@@ -267,12 +276,14 @@ SLOW_TESTS = {
     'tests/test_tree_arithmetic.py': (
         'test_apply_if_finite_rejected_step_writes_nothing',
         'test_checked_mode_reports_damaged_ids_under_jit',
+        'test_every_fix_the_messages_name_runs_on_a_dict',
         'test_flax_train_state_with_clipping_before_lazy_adam',
         'test_haiku_step_with_loss_scaling_and_apply_if_finite',
         'test_jmp_dynamic_loss_scaling_unscales_values_only',
         'test_multi_steps_equals_the_rule_on_the_mean_gradient',
         'test_plain_optax_after_a_lazy_one_acts_on_the_values',
         'test_scaling_gradients_by_a_number_scales_values_only',
+        'test_the_documented_ways_run_on_a_dict',
         'test_tree_add_of_microbatches_equals_one_step_on_the_whole_batch',
         'test_tree_arithmetic_on_two_batches_is_refused_eagerly',
         'test_tree_psum_and_pmean_across_8_devices_match_one_device',
