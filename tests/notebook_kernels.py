@@ -142,8 +142,19 @@ def serve(path):
     os.unlink(path)
   server.bind(path)
   server.listen()
+  # It ends with the pytest process that started it: an xdist worker leaves
+  # with os._exit, without running the atexit hook that stops it. (No
+  # thread watches: this process forks.)
+  parent = os.getppid()
+  server.settimeout(2.0)
   while True:
-    conn, _ = server.accept()
+    try:
+      conn, _ = server.accept()
+    except TimeoutError:
+      if os.getppid() != parent:
+        return
+      continue
+    conn.settimeout(None)
     with conn:
       request = next(_lines(conn))
       pid = os.fork()
