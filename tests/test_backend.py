@@ -81,12 +81,9 @@ XLA_OPTIMIZERS = {
 }
 
 
-# Known gaps that the registry's cases show (each fails today; strict, so
-# that a fix is noticed): the counts of lazy_adam+cowclip are a SparseRows
-# of their own, made by `id_counts` with impl='auto', whose distinct ids the
-# C++ dedup computes; and under multi_steps the int32 per-row counter table
+# A known gap that the registry's cases show (each fails today; strict, so
+# that a fix is noticed): under multi_steps the int32 per-row counter table
 # of these rules (last_step, prev_iter) is copied once per step.
-_CALLS_CPP_WITH_XLA = {'lazy_adam+cowclip'}
 _COPIES_A_COUNTER_TABLE = {'adam_with_counter', 'rowwise_adagrad_with_counter',
                            'rowwise_rmsprop_ar'}
 
@@ -102,15 +99,17 @@ def _loss(params, ids):
   return jnp.mean((rows - 1.0) ** 2)
 
 
-@pytest.mark.parametrize('name', _known_gap(
-    _CALLS_CPP_WITH_XLA, "the counts' dedup runs in C++"))
+@pytest.mark.parametrize('name', sorted(XLA_OPTIMIZERS))
 def test_impl_xla_compiles_to_a_step_without_cpp_calls(name):
+  """The optimizer's impl='xla' decides the whole step: the gradient, from
+  value_and_grad as it comes (its lookups, ordering and deduplication), and
+  apply_updates do no C++ work of their own."""
   assert lazy_optax.kernel_status()['cpu_kernel'].available
   tx = XLA_OPTIMIZERS[name]()
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, state, ids):
-    _, grads = lazy_optax.value_and_grad(_loss, impl='xla')(params, ids)
+    _, grads = lazy_optax.value_and_grad(_loss)(params, ids)
     updates, state = tx.update(grads, state, params)
     return lazy_optax.apply_updates(params, updates), state
 
@@ -121,14 +120,14 @@ def test_impl_xla_compiles_to_a_step_without_cpp_calls(name):
   assert _targets(hlo) == []
   if name != 'lazy_adam':
     return
-  # The same step with a gradient of impl='auto' does call the kernels (its
-  # deduplication and scatter-add, whatever the optimizer): the check can
-  # fail. Its lowered module names them as the compiled one does (a custom
+  # The same step with lazy_adam's impl='auto' calls its kernel: the check
+  # can fail. Its lowered module names it as the compiled one does (a custom
   # call keeps its target), without a second compile; that compiled text
   # names the kernel it calls is checked below (explain_update's tests).
-  auto = jax.jit(lambda p, s, i: tx.update(
+  auto_tx = lazy_optax.lazy_adam(LR)
+  auto = jax.jit(lambda p, s, i: auto_tx.update(
       lazy_optax.value_and_grad(_loss)(p, i)[1], s, p))
-  assert _targets(auto.lower(params, state, ids).as_text())
+  assert _targets(auto.lower(params, auto_tx.init(params), ids).as_text())
 
 
 @pytest.mark.parametrize('name', _known_gap(
@@ -146,7 +145,7 @@ def test_multi_steps_on_xla_path_copies_no_table(name):
 
   @functools.partial(jax.jit, donate_argnums=(0, 1))
   def step(params, state, ids, values):
-    grads = {'table': lazy_optax.SparseRows(ids, values, rows, impl='xla'),
+    grads = {'table': lazy_optax.SparseRows(ids, values, rows),
              'w': jnp.ones((3,))}
     updates, state = tx.update(grads, state, params)
     return lazy_optax.apply_updates(params, updates), state
@@ -169,8 +168,7 @@ def test_impl_xla_step_equals_tensorflow_rule():
 
   @jax.jit
   def step(params, state, ids, values):
-    grads = {'table': lazy_optax.SparseRows(ids, values, NUM_ROWS,
-                                            impl='xla')}
+    grads = {'table': lazy_optax.SparseRows(ids, values, NUM_ROWS)}
     updates, state = tx.update(grads, state, params)
     return lazy_optax.apply_updates(params, updates), state
 
@@ -184,46 +182,31 @@ def test_impl_xla_step_equals_tensorflow_rule():
   np.testing.assert_allclose(params['table'], ref.p, rtol=2e-5, atol=1e-6)
 
 
-def test_stochastic_rounding_follows_the_update_backend():
-  base = jnp.asarray(_table(), jnp.bfloat16)
-  tx = lazy_optax.lazy(optax.sgd(LR), impl='xla')
-
-  def step(impl):
-    def run(params, ids, values):
-      grads = {'t': lazy_optax.SparseRows(ids, values, NUM_ROWS, impl=impl)}
-      updates, _ = tx.update(grads, tx.init(params), params)
-      return lazy_optax.precision.apply_updates_stochastic(
-          params, updates, key=jax.random.key(0), step=1)
-    return jax.jit(run)
-
+def test_outside_lazy_rows_move_with_xla():
+  """A gradient built by `SparseRows(...)`, `lazy(...)`'s update of it (its
+  table on the C++ path) and what adds that update to the table
+  (`apply_updates`, `apply_updates_stochastic` into bfloat16) compile to no
+  C++ call: only `lazy(...)` decides where a table's rows move. The update
+  has its gradient's tree structure (what `optax.apply_if_finite`'s
+  `lax.cond` needs); a `SparseRows` carries no backend."""
   ids, values = next(_batches(1))
-  hlo = step('xla').lower({'t': base}, ids, values).as_text()
-  assert _targets(hlo) == []
-  # Outside lazy(...) (no table decision) the kernel rounds where it may.
-  auto = jax.jit(lambda p, i, v: lazy_optax.precision.apply_updates_stochastic(
-      p, {'t': lazy_optax.SparseRows(i, v, NUM_ROWS)},
-      key=jax.random.key(0), step=1))
-  assert 'lazy_optax_LazyOptaxAddStochastic' in _targets(
-      auto.lower({'t': base}, ids, values).as_text())
-
-
-def test_a_gradients_impl_is_in_its_structure_and_in_the_step():
-  """Two gradients whose rows move differently (their `impl`) have different
-  tree structures, so a jitted step compiles each its own program: one
-  without a C++ call, one with the kernel's scatter-add; an update of
-  `lazy(...)` moves its rows as its gradient does."""
-  ids, values = next(_batches(1))
-  params = {'t': jnp.asarray(_table())}
-  add = jax.jit(lazy_optax.apply_updates)
   tx = lazy_optax.lazy(optax.sgd(LR))
-  targets = {}
-  for impl in ('xla', 'auto'):
-    grads = {'t': lazy_optax.SparseRows(ids, values, NUM_ROWS, impl=impl)}
+  for table in (_table(), jnp.asarray(_table(), jnp.bfloat16)):
+    params = {'t': jnp.asarray(table)}
+    grads = {'t': lazy_optax.SparseRows(ids, values, NUM_ROWS)}
     updates, _ = tx.update(grads, tx.init(params), params)
     assert jax.tree.structure(updates) == jax.tree.structure(grads)
-    targets[impl] = _targets(add.lower(params, updates).as_text())
-  assert targets['xla'] == []
-  assert 'lazy_optax_LazyOptaxScatterAdd' in targets['auto'], targets
+    built = jax.jit(lambda i, v: lazy_optax.SparseRows(i, v, NUM_ROWS))
+    assert _targets(built.lower(ids, values).as_text()) == []
+    add = (jax.jit(lazy_optax.apply_updates) if table.dtype == np.float32
+           else jax.jit(lambda p, u: lazy_optax.precision
+                        .apply_updates_stochastic(p, u, key=jax.random.key(0),
+                                                  step=1)))
+    assert _targets(add.lower(params, updates).as_text()) == []
+    np.testing.assert_allclose(
+        np.asarray(add(params, updates)['t'], np.float32),
+        np.asarray(lazy_optax.apply_updates(params, updates)['t'],
+                   np.float32), atol=0.02)
 
 
 # --- explain_update against the compiled program ----------------------------
@@ -604,17 +587,11 @@ def test_auto_under_a_cpu_default_device_keeps_the_kernel(monkeypatch,
 
 # --- lazy's decision and apply_updates --------------------------------------
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the update keeps its gradient's impl: optax.apply_if_finite(lazy_adam("
-    "impl='xla')) puts the update and its gradient's zeros in the two "
-    'branches of one lax.cond, which need one tree structure '
-    "(tests/test_row_context.py's apply_if_finite case)"))
-def test_lazy_impl_xla_update_is_added_without_the_cpp_scatter_add():
-  """A gradient built with `impl='auto'` (its distinct ids summed by the C++
-  Dedup), `lazy_adam(impl='xla')` and `apply_updates`: the compiled step's
-  only C++ call would be the gradient's Dedup if the update carried lazy's
-  decision for its table. Today apply_updates adds it with the C++
-  ScatterAdd."""
+def test_lazy_impl_xla_with_a_sparse_rows_gradient_calls_no_cpp():
+  """A gradient built by `SparseRows(...)`, `lazy_adam(impl='xla')` and
+  `apply_updates`: the compiled step calls no C++ kernel (the gradient's
+  deduplication and the update's scatter-add are XLA's, as every row move
+  outside `lazy(...)`)."""
   assert lazy_optax.kernel_status()['cpu_kernel'].available
   tx = lazy_optax.lazy_adam(LR, impl='xla')
 
@@ -627,4 +604,4 @@ def test_lazy_impl_xla_update_is_added_without_the_cpp_scatter_add():
   params = {'table': jnp.asarray(_table())}
   ids, values = next(_batches(1))
   hlo = step.lower(params, tx.init(params), ids, values).compile().as_text()
-  assert _targets(hlo) == ['lazy_optax_LazyOptaxDedup'], _targets(hlo)
+  assert _targets(hlo) == [], _targets(hlo)

@@ -124,3 +124,37 @@ def test_export_changes_function_warns_and_agrees_with_the_method():
     np.testing.assert_array_equal(a, b)
   # Ids 1 to 3 expired (ttl=2) at step 3: they are listed as evicted.
   assert {1, 2, 3} <= set(new[2].tolist())
+
+
+def test_a_gradients_impl_warns_changes_nothing_and_points_at_lazy():
+  # The gradient side moves its rows with XLA's ops whatever impl= says:
+  # each deprecated form warns from the caller's line, gives what the form
+  # without it gives, and says where the choice is made now.
+  import jax.numpy as jnp
+  ids, values = jnp.array([3, 1, 3]), jnp.ones((3, 2))
+  params = {'t': jnp.arange(10.).reshape(5, 2)}
+
+  def loss(p):
+    return jnp.sum(lazy_optax.lookup(p['t'], ids) ** 2)
+
+  forms = {
+      'SparseRows': lambda impl: lazy_optax.SparseRows(ids, values, 5,
+                                                       impl=impl),
+      'SparseRows.from_unique': lambda impl: lazy_optax.SparseRows.from_unique(
+          ids, values, 5, impl=impl),
+      'value_and_grad': lambda impl: lazy_optax.value_and_grad(
+          loss, impl=impl)(params)[1]['t'],
+  }
+  for where, make in forms.items():
+    with warnings.catch_warnings():
+      warnings.simplefilter('error')
+      plain = make('auto')
+    with pytest.warns(DeprecationWarning) as caught:
+      given = make('xla')
+    (message,) = [w for w in caught if 'has no effect' in str(w.message)]
+    assert str(message.message).startswith(f"{where}(impl='xla')")
+    assert 'lazy(...)' in str(message.message) and '0.3' in str(
+        message.message)
+    assert message.filename == __file__, (where, message.filename)
+    np.testing.assert_array_equal(given.ids, plain.ids)
+    np.testing.assert_array_equal(given.values, plain.values)

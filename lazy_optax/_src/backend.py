@@ -15,14 +15,12 @@ the rule's update and the write-back.
 - `'generic'`: XLA's ops only, the transformation on the gathered rows and
   `lazy(...)`'s write-back.
 
-Code that touches rows outside `lazy(...)` (a gradient built by
-`SparseRows(...)`, `apply_updates` of an update) follows the `SparseRows`'s
-own `impl` (`'auto'` or `'xla'`, part of its tree structure, given where
-the gradient is built and kept by `lazy(...)`'s update, whose tree
-structure must stay its gradient's for `optax.apply_if_finite`'s
-`lax.cond`): `for_array(x, impl)`, the same rule with that `impl=`.
-`lazy(...)` moves a table's rows with XLA where it, a rule or the gradient
-asks for `'xla'`; the update's scatter-add follows the gradient.
+Code that touches rows outside `lazy(...)` uses XLA's ops (`OUTSIDE_LAZY`):
+the gradient's lookups, ordering and deduplication (`value_and_grad`,
+`SparseRows(...)`, tree arithmetic) and `apply_updates` of an update. They
+run before `lazy(...)` decides or after it returns, so none of them can
+follow its decision; a `SparseRows` carries no backend. The C++ kernels run
+where `lazy(...)` decides (`decide`).
 """
 
 from __future__ import annotations
@@ -31,14 +29,13 @@ from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
-from jax.typing import ArrayLike
 import numpy as np
 
 from lazy_optax._src import cpu_kernels
 from lazy_optax._src.placement import Placement
 from lazy_optax._src.placement import placement
 
-__all__ = ('Backend', 'Placement', 'placement', 'decide', 'for_array')
+__all__ = ('Backend', 'OUTSIDE_LAZY', 'Placement', 'placement', 'decide')
 
 KINDS = ('cpu_kernel', 'xla', 'generic')
 
@@ -67,6 +64,11 @@ class Backend(NamedTuple):
   reason: str
   row_kernels: bool
   where: Placement
+
+
+# The row moves of a gradient or update outside `lazy(...)`: XLA's.
+OUTSIDE_LAZY = Backend('xla', "a SparseRows' rows outside lazy(...)", False,
+                       Placement('one'))
 
 
 def row_bytes(x: Table) -> int:
@@ -207,11 +209,3 @@ def decide(table: Table, impl: str, *, refusal: str = '',
     return without_kernel(table, where, refusal)
   return Backend('cpu_kernel', _kernel_reason(impl, where),
                  row_kernels_allowed(where), where)
-
-
-def for_array(x: ArrayLike, impl: str = 'auto') -> Backend:
-  """The row moves of an array outside `lazy(...)`'s decision, for `impl`."""
-  where = placement(x)
-  kernels = impl in ('auto', 'cpu_kernel') and row_kernels_allowed(where)
-  return Backend('cpu_kernel' if kernels else 'xla',
-                 f"impl='{impl}' where the array lives", kernels, where)

@@ -145,7 +145,7 @@ def unique_rows(ids: jax.Array, values: jax.Array, num_rows: int,
       `num_rows` touches no row (an out-of-range, damaged or empty id).
     values: `[N, *row_shape]`.
     num_rows: the table's row count.
-    backend: the table's `Backend` (None: `backend.for_array(values)`).
+    backend: the table's `Backend` (None: the kernel wherever it may run).
     method: XLA's way of finding slots, one of `METHODS` (for A/B
       measurements; the kernel, where it runs, ignores it).
 

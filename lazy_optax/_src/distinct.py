@@ -42,35 +42,20 @@ def _with_out_of_range(unique_ids: jax.Array, ids: jax.Array,
   return unique_ids.at[target].set(ids, mode='drop')
 
 
-def _row_kernels(values: jax.Array, impl: str) -> bool:
-  return _backend.for_array(values, impl).row_kernels
-
-
-def from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
-             impl: str = 'auto') -> tuple[jax.Array, jax.Array]:
-  """Distinct ids and summed values of `(ids, values)`, in `N` slots.
-
-  Compiled once per input signature and per backend (whether the C++
-  deduplication runs is part of the cache key, so a trace made before the
-  kernels load, or with them hidden, is not reused after).
+@functools.partial(jax.jit, static_argnums=2)
+def from_ids(ids: jax.Array, values: jax.Array,
+             num_rows: int) -> tuple[jax.Array, jax.Array]:
+  """Distinct ids and summed values of `(ids, values)`, in `N` slots, with
+  XLA's ops (outside `lazy(...)`'s decision); compiled once per signature.
 
   Args:
     ids: integer vector `[N]`, any values (out-of-range ones touch no row).
     values: `[N, *row_shape]`.
     num_rows: the table's row count.
-    impl: `'auto'` (the C++ deduplication where the row kernels may run),
-      `'xla'` or `'generic'` (XLA's only).
 
   Returns:
     `(ids, values)` of the same shapes and dtypes.
   """
-  return _from_ids(ids, values, num_rows, _row_kernels(values, impl))
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
-              row_kernels: bool) -> tuple[jax.Array, jax.Array]:
-  """`from_ids`, traced for one backend (`row_kernels`)."""
   # Refused before the sums below hide it.
   id_code.check_varying(ids, values, 'SparseRows')
   if ids.shape[0] == 0:
@@ -79,10 +64,8 @@ def _from_ids(ids: jax.Array, values: jax.Array, num_rows: int,
   values = _sharding.replicate_if_explicit(values)
   outside = (ids < 0) | (ids > num_rows)
   safe = jnp.where(outside, jnp.asarray(num_rows, ids.dtype), ids)
-  unique_ids, summed = dedup.unique_rows(
-      safe, values, num_rows, _backend.Backend(
-          'cpu_kernel' if row_kernels else 'xla', 'where the gradient is built',
-          row_kernels, _backend.placement(values)))
+  unique_ids, summed = dedup.unique_rows(safe, values, num_rows,
+                                         _backend.OUTSIDE_LAZY)
   unique_ids = branching.per_platform(
       functools.partial(keep_out_of_range_skipping, num_rows=num_rows),
       functools.partial(keep_out_of_range_branch_free, num_rows=num_rows),
@@ -110,32 +93,25 @@ def keep_out_of_range_branch_free(unique_ids: jax.Array, ids: jax.Array,
   return _with_out_of_range(unique_ids, ids, outside, num_rows)
 
 
-def from_code(code: jax.Array, values: jax.Array, num_rows: int,
-              impl: str = 'auto') -> tuple[jax.Array, jax.Array]:
+@functools.partial(jax.jit, static_argnums=2)
+def from_code(code: jax.Array, values: jax.Array,
+              num_rows: int) -> tuple[jax.Array, jax.Array]:
   """`from_ids` for rows held as an id code (a damaged code passes as it is).
 
   Args:
     code: the id code `[N, C]`.
     values: `[N, *row_shape]`.
     num_rows: the table's row count.
-    impl: as for `from_ids`.
 
   Returns:
     `(code, values)`: of the distinct rows when every entry is intact, else
     as given, so that the consumer still sees (and reports) the damage.
   """
-  return _from_code(code, values, num_rows, _row_kernels(values, impl))
-
-
-@functools.partial(jax.jit, static_argnums=(2, 3))
-def _from_code(code: jax.Array, values: jax.Array, num_rows: int,
-               row_kernels: bool) -> tuple[jax.Array, jax.Array]:
-  """`from_code`, traced for one backend (`row_kernels`)."""
   decoded = id_code.decode(code, id_code.index_dtype(num_rows))
   ok = ~jnp.any(id_code.damaged(decoded, values))
   ids = jnp.where(decoded.intact, decoded.ids,
                   jnp.asarray(num_rows, decoded.ids.dtype))
-  unique_ids, summed = _from_ids(ids, values, num_rows, row_kernels)
+  unique_ids, summed = from_ids(ids, values, num_rows)
   return (jnp.where(ok, id_code.encode(unique_ids), code),
           jnp.where(ok, summed, values))
 
@@ -180,7 +156,7 @@ def distinct_rows(grad: SparseRows, where: str,
     grad: a `SparseRows`.
     where: what `grad` is, for messages.
     backend: the table's `Backend`, for the fallback's deduplication (None:
-      the gradient's own, or `backend.for_array`).
+      XLA's, as outside `lazy(...)`).
 
   Returns:
     `(ids, values)`: ids `[N]` distinct or `num_rows`, values zero in the
@@ -197,7 +173,8 @@ def distinct_rows(grad: SparseRows, where: str,
   if grad.has_trusted_ids:  # built here: distinct, unused slots hold zeros
     return ids, values
   return jax.lax.cond(dedup.increasing(ids, num_rows), as_they_are,
-                      lambda i, v: dedup.unique_rows(i, v, num_rows, backend),
+                      lambda i, v: dedup.unique_rows(
+                          i, v, num_rows, backend or _backend.OUTSIDE_LAZY),
                       ids, values)
 
 
@@ -225,5 +202,4 @@ def deduplicate(grad: SparseRows, where: str | None = None) -> UniqueRows:
     >>> u.ids, u.values[:, 0]
     (Array([1, 3, 5], dtype=int32), Array([1., 2., 0.], dtype=float32))
   """
-  return UniqueRows(*distinct_rows(grad, where or 'a SparseRows',
-                                   grad.backend))
+  return UniqueRows(*distinct_rows(grad, where or 'a SparseRows'))

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import functools
 from typing import Any, Callable, Mapping, NamedTuple, Optional, TypeVar, Union
-import warnings
 
 import jax
 import jax.numpy as jnp
@@ -529,10 +528,6 @@ def unused_impl(impl: str, where: str) -> None:
   """`impl=` of a rule without state: checked, and deprecated when given
   (such a rule has no table to update in place: XLA computes it on the
   rows, whatever `impl` says; `lazy(..., impl=)` decides the tables')."""
-  validate.impl_argument(impl, where)
-  if impl != 'auto':
-    warnings.warn(
-        f"{where}(impl='{impl}') has no effect: {where} has no state table "
-        'to update in place, so XLA computes it on the rows lazy(...) '
-        'gathers; pass impl= to lazy(...) or to the optimizer. The argument '
-        'goes in lazy_optax 0.3.', DeprecationWarning, stacklevel=3)
+  validate.ignored_impl(impl, where, (
+      f'{where} has no state table to update in place, so XLA computes it '
+      'on the rows lazy(...) gathers'))

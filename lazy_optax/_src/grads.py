@@ -27,7 +27,6 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import optax
 
-from lazy_optax._src import backend as _backend
 from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src import validate
@@ -74,8 +73,7 @@ class _Probe(Recorder):
       if isinstance(table, jax.core.Tracer):
         self.foreign_shapes.add(tuple(jnp.shape(table)))
       return None
-    rows = read_rows(jax.lax.stop_gradient(table), ids, dtype,
-                     constant=True)
+    rows = read_rows(jax.lax.stop_gradient(table), ids, dtype)
     self.rows.setdefault(pos, []).append(
         jax.ShapeDtypeStruct(rows.shape, rows.dtype))
     self.varying.setdefault(pos, []).append(
@@ -87,9 +85,8 @@ class _Differentiate(Recorder):
   """Step 3: adds the perturbations and records the ids of the gradient."""
 
   def __init__(self, tables: dict[int, ArrayLike], names: Sequence[str],
-               perturbations: dict[int, list[jax.Array]], impl: str = 'auto'):
+               perturbations: dict[int, list[jax.Array]]):
     super().__init__(tables, names)
-    self.impl = impl  # the row reads' backend (`backend.for_array`)
     self.pending = {pos: list(p) for pos, p in perturbations.items()}
     self.ids: dict[int, list[jax.Array]] = {}
     self.reads: dict[int, list[jax.Array]] = {}  # the rows looked up
@@ -98,8 +95,7 @@ class _Differentiate(Recorder):
     pos = self.position_of(table)
     if pos is None:
       return None
-    rows = read_rows(jax.lax.stop_gradient(table), ids, dtype,
-                     constant=True, impl=self.impl)
+    rows = read_rows(jax.lax.stop_gradient(table), ids, dtype)
     pending = self.pending[pos]
     if not pending or pending[0].shape != rows.shape:
       raise ValueError(
@@ -252,9 +248,13 @@ def _zeros(struct: jax.ShapeDtypeStruct,
   return pcast(zeros, axes, to='varying')
 
 
+def _flat(parts: list[jax.Array], row_shape: tuple[int, ...]) -> jax.Array:
+  """The rows of `parts` (any leading shapes) as one `[N, *row_shape]`."""
+  return jnp.concatenate([p.reshape((-1,) + row_shape) for p in parts])
+
+
 def _differentiate(call: _Call, params: _Params, sparse: list[int],
-                   probe: _Probe,
-                   impl: str) -> tuple[jax.Array, object, optax.Updates]:
+                   probe: _Probe) -> tuple[jax.Array, object, optax.Updates]:
   """Step 3: loss, aux and gradients, row-sparse for the `sparse` tables."""
   dense = [i for i in range(len(params.leaves)) if i not in sparse]
   # Inside `jax.shard_map` the perturbations vary over the mesh axes that
@@ -267,7 +267,7 @@ def _differentiate(call: _Call, params: _Params, sparse: list[int],
 
   def grad_fn(dense_values, perturbations):
     recorder = _Differentiate({i: params.leaves[i] for i in sparse},
-                              params.names, perturbations, impl)
+                              params.names, perturbations)
     with recording(recorder):
       loss, aux = call(params.with_values(dense, dense_values))
     for i in sparse:
@@ -289,17 +289,16 @@ def _differentiate(call: _Call, params: _Params, sparse: list[int],
   for i in sparse:
     table = params.leaves[i]
     row_shape = tuple(jnp.shape(table)[1:])
-    values = jnp.concatenate([g.reshape((-1,) + row_shape) for g in g_rows[i]])
     # The gradient of a loss linear in the rows does not depend on them, and
     # then nothing orders the lookup before the table's in-place update: XLA
-    # would copy the whole donated table every step. The gradient waits for
-    # the rows read (free at run time).
-    values = row_ops.after(values, *reads[i],
-                           backend=_backend.for_array(values, impl))
+    # would copy the whole donated table every step. The gradient is made
+    # to read the rows (O(ids)).
+    values = row_ops.after(_flat(g_rows[i], row_shape),
+                           _flat(reads[i], row_shape))
     # Repeated ids are summed here, where the gradient is built; slots may
     # name `num_rows` (padding: no row).
     grads[i] = SparseRows.from_unique(ids[i], values.astype(table.dtype),
-                                      jnp.shape(table)[0], impl=impl)
+                                      jnp.shape(table)[0])
   return loss, aux, jax.tree_util.tree_unflatten(params.treedef, grads)
 
 
@@ -363,10 +362,9 @@ def value_and_grad(
       get dense gradients even when looked up. A named table that `fun` never
       passes to `lookup`, or also uses densely, is an error. By default every
       looked-up table that is used only through lookups is row-sparse.
-    impl: how the rows are read and the gradient's repeated ids summed:
-      `'auto'` (the C++ kernels where a table lives on one CPU device and
-      they are loaded) or `'xla'` (XLA only, no C++ call: pair it with an
-      optimizer's `impl='xla'` for a step without one).
+    impl: deprecated, no effect: the rows are read and the gradient's
+      repeated ids summed with XLA's ops, before `lazy(...)` decides how
+      each table's rows move (its `impl=`). Goes in lazy_optax 0.3.
 
   Returns:
     A function with `fun`'s signature returning `(loss, grads)`, or
@@ -389,7 +387,8 @@ def value_and_grad(
   """
   if not callable(fun):
     raise TypeError(f'value_and_grad: fun must be callable, got {fun!r}.')
-  validate.impl_argument(impl, 'value_and_grad')
+  validate.ignored_impl(impl, 'value_and_grad', validate.GRADIENT_MOVES,
+                        stacklevel=3)
   if isinstance(tables, str):
     tables = (tables,)
   wanted = None if tables is None else tuple(tables)
@@ -418,7 +417,7 @@ def value_and_grad(
     sparse = _classify(probe, unused, flat, candidates, wanted is not None)
     for i in sparse:
       _mark_row_sparse(flat.leaves[i])
-    loss, aux, grads = _differentiate(call, flat, sparse, probe, impl)
+    loss, aux, grads = _differentiate(call, flat, sparse, probe)
     return ((loss, aux), grads) if has_aux else (loss, grads)
 
   return wrapped

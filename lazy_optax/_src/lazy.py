@@ -212,12 +212,8 @@ def _row_updates(leaves: _Leaves, rows: dict[int, _RowLeaf],
   out = leaves.treedef.flatten_up_to(new_updates)
   for i, row in rows.items():
     if row.ids is not None:
-      # The update's rows move as its gradient's (`impl`, part of the tree
-      # structure): a `lax.cond` between the two (`optax.apply_if_finite`)
-      # has one tree structure.
       out[i] = SparseRows.from_unique(
-          row.ids, out[i], _sparse(leaves, i).num_rows, distinct=True,
-          impl=_sparse(leaves, i).impl)
+          row.ids, out[i], _sparse(leaves, i).num_rows, distinct=True)
     else:
       assert row.row_mask is not None
       out[i] = jnp.where(broadcast_rows(row.row_mask, out[i]), out[i],

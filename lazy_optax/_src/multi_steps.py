@@ -153,8 +153,7 @@ def _accumulated_grads(acc: optax.Updates,
                        updates: optax.Updates) -> optax.Updates:
   """The gradients `tx` gets: `acc`, a `SparseRows` per `RowBuffer`."""
   return jax.tree.map(
-      lambda a, g: SparseRows.from_unique(a.ids, a.values, g.num_rows,
-                                          impl=g.impl)
+      lambda a, g: SparseRows.from_unique(a.ids, a.values, g.num_rows)
       if isinstance(a, RowBuffer) else a, acc, updates, is_leaf=_is_leaf)
 
 

@@ -1,14 +1,14 @@
 """Reading, writing and adding whole rows of a table: XLA or the CPU kernels.
 
-Every row-sparse path of the library moves rows through these three
-functions (`lazy(...)`'s gathers and write-backs, `apply_updates`'s
-scatter-add), each told the table's `backend.Backend`: where its
-`row_kernels` is set (the table lives on one device, the CPU kernels are
-loaded, and the `impl=` asked for allows them) they lower to the kernels on
-CPU (`jax.lax.platform_dependent`: the platform is fixed when the step is
-compiled) and to XLA's gather and scatter elsewhere; otherwise to XLA's
-only. Without a backend they take `backend.for_array(table)` (`'auto'`).
-Ids outside `[0, num_rows)` read zeros and write nothing either way.
+`lazy(...)`'s gathers and write-backs (`gather`, `put`) are told the
+table's `backend.Backend`: where its `row_kernels` is set (the table lives
+on one device, the CPU kernels are loaded, and the `impl=` asked for allows
+them) they lower to the kernels on CPU (`jax.lax.platform_dependent`: the
+platform is fixed when the step is compiled) and to XLA's gather and
+scatter elsewhere; otherwise to XLA's only (without a backend, the
+kernels wherever they may run). Outside `lazy(...)` rows move with
+XLA's ops: `add` (`apply_updates`) and `after` (`value_and_grad`). Ids
+outside `[0, num_rows)` read zeros and write nothing either way.
 """
 
 from __future__ import annotations
@@ -83,33 +83,38 @@ def put(table: jax.Array, ids: jax.Array, rows: jax.Array,
   return _xla_put(table, ids, rows)
 
 
-def add(table: jax.Array, ids: jax.Array, rows: jax.Array,
-        backend: Optional[_backend.Backend] = None) -> jax.Array:
-  """`table` with `rows` added at `ids` (repeated ids add up)."""
-  if (table.ndim >= 1 and _kernel_ids(ids) and kernels_for(table, backend)
-      and jnp.dtype(table.dtype) in cpu_kernels.STORAGE_DTYPES):
-    return jax.lax.platform_dependent(table, ids, rows,
-                                      cpu=cpu_kernels.scatter_add,
-                                      default=_xla_add)
+def add(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
+  """`table` with `rows` added at `ids` (repeated ids add up), by XLA: what
+  adds an update outside `lazy(...)` (`apply_updates`)."""
   return _xla_add(table, ids, rows)
 
 
-def after(x: jax.Array, *deps: jax.Array,
-          backend: Optional[_backend.Backend] = None) -> jax.Array:
-  """`x`, ordered after the computation of `deps` (no copy, no arithmetic).
+def after(x: jax.Array, rows: jax.Array) -> jax.Array:
+  """`x`, computed from the rows read: a select whose condition never holds.
 
   A loss linear in its looked-up rows has a gradient that does not depend on
   them, and then nothing orders the lookup (a read of the table) before the
-  table's in-place update: XLA copies the whole donated table every step.
-  Passing the gradient through `after(grad, rows)` restores the order. On
-  one CPU device it is a call XLA cannot see through; elsewhere an
-  `optimization_barrier`, which XLA may drop (`warn_if_not_donated` then
-  reports the copy).
+  table's in-place update: XLA copies the whole donated table every step
+  (an `optimization_barrier` does not keep the order: XLA's CPU compiler
+  drops it). `after(grad, rows)` keeps `grad` and reads every row first: it
+  picks zeros where a row's sign bit, shifted to the lowest bit, exceeds 1,
+  which it never does (XLA does not fold it away, so the order holds).
+  Under a mesh with Explicit axes, where the rows are split like the batch
+  and `grad` may not be, it is an `optimization_barrier` (a select there
+  would need one sharding for both).
+
+  Args:
+    x: `[N, *row_shape]`, the gradient's values.
+    rows: of `x`'s shape, the rows the lookups read.
+
+  Returns:
+    `x`, the same bits.
   """
-  if not deps:
-    return x
-  if kernels_for(x, backend):
-    return jax.lax.platform_dependent(
-        x, *deps, cpu=cpu_kernels.after,
-        default=lambda x, *d: jax.lax.optimization_barrier((x, d))[0])
-  return jax.lax.optimization_barrier((x, deps))[0]
+  if _sharding.explicit_mesh(rows) is not None:
+    return jax.lax.optimization_barrier((x, rows))[0]
+  if jnp.issubdtype(rows.dtype, jnp.complexfloating):
+    rows = jnp.real(rows)
+  bits = jnp.dtype(rows.dtype).itemsize * 8
+  word = jax.lax.bitcast_convert_type(rows, jnp.dtype(f'uint{bits}'))
+  never = jax.lax.shift_right_logical(word, jnp.asarray(bits - 1, word.dtype))
+  return jnp.where(never > 1, jnp.zeros_like(x), x)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from typing import overload, Sequence
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 
-from lazy_optax._src import backend as backend_lib
 from lazy_optax._src import damage
 from lazy_optax._src import distinct as _distinct
 from lazy_optax._src import id_code
@@ -17,14 +17,6 @@ from lazy_optax._src import row_ops
 from lazy_optax._src import validate
 from lazy_optax._src.distinct import distinct_rows  # noqa: F401  (lazy.py)
 from lazy_optax._src.id_code import index_dtype
-
-_XLA = backend_lib.Backend('xla', "the rows' impl='xla'", False,
-                           backend_lib.Placement('one'))
-
-
-def _moves(impl: str) -> str:
-  """How the rows of a `SparseRows` built with `impl` move: 'auto' or 'xla'."""
-  return 'xla' if impl in ('xla', 'generic') else 'auto'
 
 
 @jax.tree_util.register_pytree_with_keys_class
@@ -35,7 +27,9 @@ class SparseRows(metaclass=validate.SparseRowsClass):
   `IndexedSlices`). Repeated ids are summed when it is built: of its `N`
   slots, the front ones hold the distinct ids ascending, the rest id
   `num_rows` (no row) and zeros. Concrete ids must lie in `[0, num_rows)`;
-  under `jax.jit` an out-of-range id touches no row.
+  under `jax.jit` an out-of-range id touches no row. It does its work with
+  XLA's ops: what moves a table's rows in C++ is `lazy(...)`'s decision,
+  made where it updates the table (docs/design.md).
 
   Its pytree leaves are an *id code* (`id_code.py`) and the values: scaling
   keeps the code, other tree arithmetic (`jax.tree.map(jnp.add, g1, g2)`)
@@ -47,11 +41,9 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     ids: integer array of shape `[N]`, the row ids (duplicates allowed).
     values: array of shape `[N, *row_shape]`, one row per id.
     num_rows: static Python int, the row count of the dense array.
-    impl: how its rows move (repeated ids summed here, and where it is
-      deduplicated again or added to an array): `'auto'` (the C++ kernels
-      on one CPU device where they are loaded, else XLA), `'xla'` or
-      `'generic'` (XLA). Kept as its `impl` (`'auto'` or `'xla'`), part of
-      its tree structure, through tree arithmetic and `lazy(...)`'s update.
+    impl: deprecated, no effect (it chose the C++ deduplication here, and
+      for the step through the gradient's tree structure; `lazy(...,
+      impl=)` decides the tables'). Goes in lazy_optax 0.3.
 
   Example:
     >>> import jax.numpy as jnp
@@ -65,11 +57,10 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     Array([1., 1., 1., 1.], dtype=float32)
   """
 
-  __slots__ = ('_ids', 'values', 'num_rows', 'impl')
+  __slots__ = ('_ids', 'values', 'num_rows')
   _ids: id_code.RowIds
   values: jax.Array
   num_rows: int
-  impl: str
 
   __array_ufunc__ = None  # numpy defers `ndarray + SparseRows` to __radd__
 
@@ -89,23 +80,23 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     checked, rows, size = validate.sparse_rows_arguments(
         ids, values, num_rows, indices, impl)
     kept, summed = _distinct.from_ids(checked.astype(index_dtype(size)), rows,
-                                      size, impl)
-    self._fill(id_code.RowIds(given=kept), summed, size, _moves(impl))
+                                      size)
+    self._fill(id_code.RowIds(given=kept), summed, size)
 
-  def _fill(self, ids: id_code.RowIds, values: jax.Array, num_rows: int,
-            impl: str) -> None:
-    for name, value in zip(self.__slots__, (ids, values, num_rows, impl)):
+  def _fill(self, ids: id_code.RowIds, values: jax.Array,
+            num_rows: int) -> None:
+    for name, value in zip(self.__slots__, (ids, values, num_rows)):
       object.__setattr__(self, name, value)
 
   @classmethod
-  def _made(cls, ids: id_code.RowIds, values: jax.Array, num_rows: int,
-            impl: str) -> SparseRows:
+  def _made(cls, ids: id_code.RowIds, values: jax.Array,
+            num_rows: int) -> SparseRows:
     obj = object.__new__(cls)
-    obj._fill(ids, values, num_rows, impl)
+    obj._fill(ids, values, num_rows)
     return obj
 
   def _with_values(self, values: jax.Array) -> SparseRows:
-    return self._made(self._ids, values, self.num_rows, self.impl)
+    return self._made(self._ids, values, self.num_rows)
 
   @classmethod
   def from_unique(cls, ids: jax.Array, values: jax.Array, num_rows: int, *,
@@ -120,18 +111,18 @@ class SparseRows(metaclass=validate.SparseRowsClass):
       num_rows: the row count of the dense array.
       distinct: whether `(ids, values)` are a deduplication's output (no row
         id twice, zeros in the slots that name no row).
-      impl: how its rows move, the deduplication's when not `distinct`
-        (see `SparseRows`).
+      impl: deprecated, no effect (see `SparseRows`).
 
     Returns:
       A `SparseRows`.
     """
+    validate.ignored_impl(impl, 'SparseRows.from_unique',
+                          validate.GRADIENT_MOVES, stacklevel=3)
     num_rows = int(num_rows)
     ids = jnp.asarray(ids).astype(index_dtype(num_rows))
     if not distinct:
-      ids, values = _distinct.from_ids(ids, values, num_rows, impl)
-    return cls._made(id_code.RowIds(given=ids), values, num_rows,
-                     _moves(impl))
+      ids, values = _distinct.from_ids(ids, values, num_rows)
+    return cls._made(id_code.RowIds(given=ids), values, num_rows)
 
   @classmethod
   def concatenate(cls, parts: Sequence[SparseRows]) -> SparseRows:
@@ -158,21 +149,25 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     first = parts[0]
     dtype = jnp.result_type(*(p.values.dtype for p in parts))
     values = jnp.concatenate([p.values.astype(dtype) for p in parts])
-    impl = 'xla' if any(p.impl == 'xla' for p in parts) else 'auto'
     if all(p.has_trusted_ids for p in parts):
       return cls.from_unique(jnp.concatenate([p.ids for p in parts]), values,
-                             first.num_rows, impl=impl)
+                             first.num_rows)
     code, values = _distinct.from_code(
-        jnp.concatenate([p.code for p in parts]), values, first.num_rows,
-        impl)
-    return cls._made(id_code.RowIds(leaf=code), values, first.num_rows, impl)
+        jnp.concatenate([p.code for p in parts]), values, first.num_rows)
+    return cls._made(id_code.RowIds(leaf=code), values, first.num_rows)
 
   has_trusted_ids = property(
       lambda self: self._ids.given is not None,
       doc='Whether the ids were given (by the library), not read from a code.')
-  backend = property(lambda self: _XLA if self.impl == 'xla' else None, doc=(
-      "The `Backend` its row moves follow: None where the array they touch "
-      "decides (`impl='auto'`), XLA's for `impl='xla'`."))
+
+  @property
+  def impl(self) -> str:
+    """Deprecated: `'xla'`, how its rows move (goes in lazy_optax 0.3)."""
+    warnings.warn('SparseRows.impl is deprecated: a SparseRows moves its rows '
+                  "with XLA's ops ('xla'); lazy(..., impl=) decides the "
+                  "tables'. It goes in lazy_optax 0.3.", DeprecationWarning,
+                  stacklevel=2)
+    return 'xla'
 
   code = property(
       lambda self: self._ids.code(),
@@ -192,26 +187,20 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     raise AttributeError(
         f'SparseRows is immutable: build a new one instead of setting {name}.')
 
-  # -- pytree protocol: leaves (code, values), aux (num_rows, impl) ---------
-  # Everything it carries is a leaf or aux data, compared as it is: two
-  # `SparseRows` whose rows move differently have different tree
-  # structures.
-  def _aux(self) -> tuple[int, str]:
-    return self.num_rows, self.impl
-
+  # -- pytree protocol: leaves (code, values), aux num_rows ----------------
+  # Everything it carries is a leaf or aux data, compared as it is; nothing
+  # in it says how a step will move its rows (`lazy(...)` decides that).
   def tree_flatten_with_keys(self):
     keys = map(jax.tree_util.GetAttrKey, ('code', 'values'))
-    return tuple(zip(keys, (self.code, self.values))), self._aux()
+    return tuple(zip(keys, (self.code, self.values))), self.num_rows
 
   def tree_flatten(self):
-    return (self.code, self.values), self._aux()
+    return (self.code, self.values), self.num_rows
 
   @classmethod
   def tree_unflatten(cls, aux, children):
     # No validation: JAX rebuilds pytrees with arbitrary leaves.
-    num_rows, impl = aux
-    return cls._made(id_code.RowIds(leaf=children[0]), children[1], num_rows,
-                     impl)
+    return cls._made(id_code.RowIds(leaf=children[0]), children[1], aux)
 
   num_ids = property(lambda self: int(self.values.shape[0]),
                      doc='How many slots (id, row) this holds: `N`.')
@@ -274,8 +263,7 @@ class SparseRows(metaclass=validate.SparseRowsClass):
     self.check(where)
     validate.same_shape(tuple(array.shape), self.shape, where)
     ids, seen = damage.gate(self.safe_ids(where), self.num_rows)
-    added = row_ops.add(array, ids, self.values.astype(array.dtype),
-                        self.backend)
+    added = row_ops.add(array, ids, self.values.astype(array.dtype))
     return damage.note(added, array, seen)
 
   def astype(self, dtype: DTypeLike) -> SparseRows:

@@ -18,11 +18,8 @@ from jax.typing import ArrayLike
 from jax.typing import DTypeLike
 import optax
 
-from lazy_optax._src import cpu_kernels
-from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src.apply import apply_updates
-from lazy_optax._src.backend import Backend
 from lazy_optax._src.distinct import deduplicate
 from lazy_optax._src.labels import path_name
 from lazy_optax._src.sparse_rows import is_sparse_rows
@@ -125,17 +122,6 @@ def neighbour(x: jax.Array, up: jax.Array) -> jax.Array:
   return jnp.where(jnp.isnan(x) | (jnp.isinf(x) & away), x, out)
 
 
-def _kernel_rounds(param: jax.Array, ids: jax.Array, key: jax.Array,
-                   backend: Optional[Backend]) -> bool:
-  """Whether the CPU kernel rounds this leaf: bfloat16, threefry, and the
-  table's backend (or, for an update rebuilt from leaves, where it lives)
-  allows the row kernels."""
-  return (jnp.dtype(param.dtype) == jnp.dtype(jnp.bfloat16)
-          and jnp.dtype(ids.dtype) == jnp.dtype(jnp.int32)
-          and str(jax.random.key_impl(key)) == 'threefry2x32'
-          and row_ops.kernels_for(param, backend))
-
-
 def _round_rows(exact: jax.Array, row_ids: jax.Array, key: jax.Array,
                 dtype: DTypeLike) -> jax.Array:
   """Rounds `exact[i]` with the bits of row `row_ids[i]`."""
@@ -177,26 +163,16 @@ def _add_rounded(path: jax.tree_util.KeyPath, param: Optional[ArrayLike],
       raise ValueError(
           f'Parameter {name} has shape {tuple(param.shape)} but its '
           f'SparseRows update is for shape {update.shape}.')
-    backend = update.backend
     unique = deduplicate(update)  # unused slots hold id num_rows: dropped
     values = unique.values.astype(jnp.float32)
 
-    def with_xla(param, ids, values):
-      rows = param.at[ids].get(mode='fill', fill_value=0,
-                               **_sharding.gather_kwargs(param))
-      new_rows = _round_rows(rows.astype(jnp.float32) + values, ids,
-                             leaf_key, dtype)
-      return param.at[ids].set(new_rows, mode='drop',
-                               **_sharding.scatter_kwargs(param))
-
-    if _kernel_rounds(param, unique.ids, leaf_key, backend):
-      # The C++ kernel draws the same bits (JAX's threefry) in one pass.
-      return jax.lax.platform_dependent(
-          param, unique.ids, values,
-          cpu=lambda p, i, v: cpu_kernels.add_stochastic(
-              p, i, v, jax.random.key_data(leaf_key)),
-          default=with_xla)
-    return with_xla(param, unique.ids, values)
+    ids = unique.ids
+    rows = param.at[ids].get(mode='fill', fill_value=0,
+                             **_sharding.gather_kwargs(param))
+    new_rows = _round_rows(rows.astype(jnp.float32) + values, ids, leaf_key,
+                           dtype)
+    return param.at[ids].set(new_rows, mode='drop',
+                             **_sharding.scatter_kwargs(param))
   update = jnp.asarray(update)
   if tuple(update.shape) != tuple(param.shape):
     raise ValueError(

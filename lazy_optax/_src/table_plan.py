@@ -156,7 +156,7 @@ def decide(tables: dict[int, Table], state: optax.OptState,
   plan = Plan({}, {}, {})
   for pos, table in tables.items():
     array = _placed(pos, table, state_leaves, owners)
-    kernels = (impl not in ('xla', 'generic') and table.grad.impl != 'xla'
+    kernels = (impl not in ('xla', 'generic')
                and _backend.row_kernels_allowed(_backend.placement(array)))
     move = plan.moves[pos] = _backend.Backend(
         'generic', 'lazy(...) moves the rows', kernels,

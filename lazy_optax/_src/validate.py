@@ -100,7 +100,7 @@ def sparse_rows_arguments(ids: object, values: object, rows: object,
   one_row_per_index(ids.shape[0], values, 'SparseRows')
   if not isinstance(ids, jax.core.Tracer):
     indices_in_range(given, rows, 'SparseRows')
-  impl_argument(impl, 'SparseRows')
+  ignored_impl(impl, 'SparseRows', GRADIENT_MOVES)
   return ids, values, rows
 
 
@@ -297,8 +297,24 @@ def floating(dtype: DTypeLike, where: str, what: str = 'gradients') -> None:
 
 IMPLS = ('auto', 'generic', 'xla', 'cpu_kernel')
 
+# Why a gradient's `impl=` decides nothing (`SparseRows`, `value_and_grad`).
+GRADIENT_MOVES = ("a gradient's rows move with XLA's ops until lazy(...) "
+                  'decides its table')
+
 
 def impl_argument(impl: object, where: str) -> None:
   """`impl` must be one of `IMPLS`."""
   if impl not in IMPLS:
     raise ValueError(f'{where}: impl must be one of {IMPLS}, got {impl!r}.')
+
+
+def ignored_impl(impl: object, where: str, why: str,
+                 stacklevel: int = 4) -> None:
+  """An `impl=` that no longer decides anything: checked, and deprecated
+  when given (`why` says what decides instead)."""
+  impl_argument(impl, where)
+  if impl != 'auto':
+    warnings.warn(
+        f"{where}(impl='{impl}') has no effect: {why}; pass impl= to "
+        'lazy(...) or to the optimizer. The argument goes in lazy_optax 0.3.',
+        DeprecationWarning, stacklevel=stacklevel)

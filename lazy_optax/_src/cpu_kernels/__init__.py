@@ -42,10 +42,8 @@ ENV_SWITCH = 'LAZY_OPTAX_CPU_KERNELS'
 RULES = ('LazyOptaxAdam', 'LazyOptaxAmsgrad', 'LazyOptaxRowwiseAdagrad',
          'LazyOptaxPartialRowwiseAdam', 'LazyOptaxFtrl',
          'LazyOptaxRowwiseRmspropAr', 'LazyOptaxRowwiseAdagradWithCounter')
-TARGETS = ('LazyOptaxAfter', 'LazyOptaxDedup', 'LazyOptaxGather',
-           'LazyOptaxScatter', 'LazyOptaxScatterAdd',
-           'LazyOptaxAddStochastic', 'LazyOptaxIdAssign',
-           'LazyOptaxIdFind') + RULES
+TARGETS = ('LazyOptaxDedup', 'LazyOptaxGather', 'LazyOptaxScatter',
+           'LazyOptaxIdAssign', 'LazyOptaxIdFind') + RULES
 # Storage dtypes the kernels read and write (tables, moments, accumulators).
 STORAGE_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # The dtype of a rule's counter tables (its C++ `kInt32`), read exactly.
@@ -198,14 +196,6 @@ def dedup(ids: jax.Array, values: jax.Array, num_rows: int
   return call(ids.astype(jnp.int32), values, num_rows=int(num_rows))
 
 
-def after(x: jax.Array, *after: jax.Array) -> jax.Array:
-  """`x`, computed only once every array in `after` exists (no copy)."""
-  call = _call('LazyOptaxAfter', _like(x), {0: 0})
-  for a in after:
-    x = call(x, a)
-  return x
-
-
 def gather(table: jax.Array, ids: jax.Array) -> jax.Array:
   """`table[ids]`, zero rows for ids outside `[0, rows)`."""
   shape = (ids.shape[0],) + tuple(table.shape[1:])
@@ -217,24 +207,6 @@ def scatter(table: jax.Array, ids: jax.Array, rows: jax.Array) -> jax.Array:
   """`table` with rows `ids` set to `rows` (distinct ids; others dropped)."""
   call = _call('LazyOptaxScatter', _like(table), {0: 0})
   return call(table, ids.astype(jnp.int32), rows.astype(table.dtype))
-
-
-def scatter_add(table: jax.Array, ids: jax.Array, rows: jax.Array
-                ) -> jax.Array:
-  """`table` with `rows` added at `ids` (in slot order; others dropped)."""
-  call = _call('LazyOptaxScatterAdd', _like(table), {0: 0})
-  return call(table, ids.astype(jnp.int32), rows.astype(table.dtype))
-
-
-def add_stochastic(table: jax.Array, ids: jax.Array, rows: jax.Array,
-                   key_data: jax.Array) -> jax.Array:
-  """bfloat16 `table` with float32 `rows` added at distinct `ids`, each row
-  rounded stochastically with the bits of `fold_in(key, row id)`, as
-  `apply_updates_stochastic` draws them (`key_data`: a threefry key's two
-  uint32 words)."""
-  call = _call('LazyOptaxAddStochastic', _like(table), {0: 0})
-  return call(table, ids.astype(jnp.int32), rows.astype(jnp.float32),
-              key_data.astype(jnp.uint32))
 
 
 def fields(target: str) -> tuple[str, ...]:

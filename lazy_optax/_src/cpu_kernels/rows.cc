@@ -21,8 +21,6 @@
 //   LazyOptaxDedup          distinct ids (ascending) and summed rows
 //   LazyOptaxGather         table[ids]
 //   LazyOptaxScatter        table[ids] = rows           (in place)
-//   LazyOptaxScatterAdd     table[ids] += rows          (in place)
-//   LazyOptaxAddStochastic  the same into bfloat16, stochastically rounded
 //   LazyOptaxAdam           TensorFlow's Adam rule (epsilon hat)
 //   LazyOptaxAmsgrad        the same with the running maximum of nu
 //   LazyOptaxRowwiseAdagrad one accumulator per row (FBGEMM's rule)
@@ -332,19 +330,7 @@ ffi::Error Dedup(ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer values,
 }
 
 // ---------------------------------------------------------------------------
-// After: `x`, once `after` exists. It orders a table's in-place update after
-// the lookups that read the table (XLA keeps an unknown call's operands),
-// where nothing else does (a loss linear in the rows).
-
-ffi::Error After(ffi::AnyBuffer x, ffi::AnyBuffer after,
-                 ffi::Result<ffi::AnyBuffer> out) {
-  (void)after;
-  InPlace(x, out);
-  return ffi::Error::Success();
-}
-
-// ---------------------------------------------------------------------------
-// Row movement: gather, scatter (set) and scatter-add.
+// Row movement: gather and scatter (set).
 
 ffi::Error Gather(ffi::ThreadPool pool, ffi::AnyBuffer table,
                   ffi::Buffer<ffi::S32> ids, ffi::Result<ffi::AnyBuffer> out) {
@@ -399,134 +385,6 @@ ffi::Error Scatter(ffi::ThreadPool pool, ffi::AnyBuffer table,
       }
     }
   });
-  return ffi::Error::Success();
-}
-
-ffi::Error ScatterAdd(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
-                      ffi::AnyBuffer rows, ffi::Result<ffi::AnyBuffer> out) {
-  const Shape2 t = AsRows(table.dimensions());
-  const int64_t n = static_cast<int64_t>(ids.element_count());
-  if (rows.element_type() != table.element_type() ||
-      static_cast<int64_t>(rows.element_count()) != n * t.width) {
-    return ffi::Error::InvalidArgument("LazyOptaxScatterAdd: operand shapes");
-  }
-  void* dst = InPlace(table, out);
-  const int32_t* id = ids.typed_data();
-  // One thread: ids may repeat here (user-built updates), and the sums of a
-  // repeated id are added in slot order.
-  return WithStorage(table.element_type(), [&](auto s) {
-    using S = decltype(s);
-    using T = typename S::T;
-    T* p = static_cast<T*>(dst);
-    const T* u = static_cast<const T*>(rows.untyped_data());
-    const int64_t row_bytes = t.width * static_cast<int64_t>(sizeof(T));
-    for (int64_t k = 0; k < n; ++k) {
-      if (k + kPrefetchAhead < n && Named(id[k + kPrefetchAhead], t.rows)) {
-        Prefetch(p, id[k + kPrefetchAhead], row_bytes, true);
-      }
-      if (!Named(id[k], t.rows)) continue;
-      T* row = p + static_cast<int64_t>(id[k]) * t.width;
-      const T* add = u + k * t.width;
-      for (int64_t c = 0; c < t.width; ++c) {
-        S::Store(row + c, S::Load(row + c) + S::Load(add + c));
-      }
-    }
-    return ffi::Error::Success();
-  });
-}
-
-// ---------------------------------------------------------------------------
-// Stochastic rounding into bfloat16 tables, with the random bits of
-// `lazy_optax.apply_updates_stochastic`: JAX's threefry-2x32 generator
-// (jax.random.fold_in, then jax.random.uniform over the row's entries, with
-// JAX's default partitionable bit layout).
-
-inline uint32_t Rotl(uint32_t v, int d) { return (v << d) | (v >> (32 - d)); }
-
-// Threefry-2x32 (20 rounds) of the counter (x0, x1) under key (k0, k1).
-inline void Threefry(uint32_t k0, uint32_t k1, uint32_t& x0, uint32_t& x1) {
-  static constexpr int kRot[2][4] = {{13, 15, 26, 6}, {17, 29, 16, 24}};
-  const uint32_t ks[3] = {k0, k1, k0 ^ k1 ^ 0x1BD11BDAu};
-  x0 += ks[0];
-  x1 += ks[1];
-  for (uint32_t i = 0; i < 5; ++i) {
-    for (int j = 0; j < 4; ++j) {
-      x0 += x1;
-      x1 = Rotl(x1, kRot[i % 2][j]);
-      x1 ^= x0;
-    }
-    x0 += ks[(i + 1) % 3];
-    x1 += ks[(i + 2) % 3] + i + 1;
-  }
-}
-
-// A uniform float in [0, 1) from 32 random bits, as jax.random.uniform.
-inline float UnitFloat(uint32_t bits) {
-  const uint32_t f = (bits >> 9) | 0x3f800000u;
-  float x;
-  std::memcpy(&x, &f, sizeof(x));
-  return x - 1.0f;
-}
-
-// The bfloat16 next to h toward +inf (up) or -inf.
-inline uint16_t NextBf16(uint16_t h, bool up) {
-  if ((h & 0x7fffu) == 0) return up ? 0x0001u : 0x8001u;
-  const bool negative = (h & 0x8000u) != 0;
-  return static_cast<uint16_t>(up != negative ? h + 1 : h - 1);
-}
-
-// x rounded to bfloat16 up or down, taking the far neighbour with
-// probability (x - nearest) / (far - nearest) against u; saturates past the
-// largest finite bfloat16; NaN and infinities pass through.
-inline uint16_t RoundStochastic(float x, float u) {
-  uint16_t nearest = F32ToBf16(x);
-  if (!std::isfinite(x)) return nearest;
-  float near = Bf16ToF32(nearest);
-  uint16_t other;
-  if (std::isinf(near)) {  // past the largest finite value: saturate
-    nearest = static_cast<uint16_t>((nearest & 0x8000u) | 0x7f7fu);
-    near = Bf16ToF32(nearest);
-    other = nearest;
-  } else {
-    other = NextBf16(nearest, !(near > x));
-  }
-  const float gap = Bf16ToF32(other) - near;
-  const float prob = gap != 0.0f ? (x - near) / gap : 0.0f;
-  return u < prob ? other : nearest;
-}
-
-ffi::Error AddStochastic(ffi::AnyBuffer table, ffi::Buffer<ffi::S32> ids,
-                         ffi::Buffer<ffi::F32> rows, ffi::Buffer<ffi::U32> key,
-                         ffi::Result<ffi::AnyBuffer> out) {
-  const Shape2 t = AsRows(table.dimensions());
-  const int64_t n = static_cast<int64_t>(ids.element_count());
-  if (table.element_type() != ffi::DataType::BF16 ||
-      static_cast<int64_t>(rows.element_count()) != n * t.width ||
-      key.element_count() != 2) {
-    return ffi::Error::InvalidArgument("LazyOptaxAddStochastic: operands");
-  }
-  uint16_t* p = static_cast<uint16_t*>(InPlace(table, out));
-  const int32_t* id = ids.typed_data();
-  const float* u = rows.typed_data();
-  const uint32_t k0 = key.typed_data()[0], k1 = key.typed_data()[1];
-  const int64_t w = t.width;
-  for (int64_t s = 0; s < n; ++s) {
-    if (s + kPrefetchAhead < n && Named(id[s + kPrefetchAhead], t.rows)) {
-      Prefetch(p, id[s + kPrefetchAhead], w * 2, true);
-    }
-    if (!Named(id[s], t.rows)) continue;
-    // fold_in(key, row id), then one counter (0, k) per entry k.
-    uint32_t r0 = 0, r1 = static_cast<uint32_t>(id[s]);
-    Threefry(k0, k1, r0, r1);
-    uint16_t* row = p + static_cast<int64_t>(id[s]) * w;
-    const float* add = u + s * w;
-    for (int64_t k = 0; k < w; ++k) {
-      uint32_t b0 = 0, b1 = static_cast<uint32_t>(k);
-      Threefry(r0, r1, b0, b1);
-      row[k] = RoundStochastic(Bf16ToF32(row[k]) + add[k],
-                               UnitFloat(b0 ^ b1));
-    }
-  }
   return ffi::Error::Success();
 }
 
@@ -1020,12 +878,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxDedup, Dedup,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("num_rows"));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAfter, After,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxGather, Gather,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
@@ -1039,21 +891,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxScatter, Scatter,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxScatterAdd, ScatterAdd,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>());
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LazyOptaxAddStochastic, AddStochastic,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::U32>>()
                                   .Ret<ffi::AnyBuffer>());
 
 
