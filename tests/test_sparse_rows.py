@@ -123,34 +123,41 @@ def test_sparse_rows_holds_distinct_ids_from_construction():
     [2, 2, 2, 2, 2, 6],
 ])
 def test_out_of_range_ids_are_kept_alike_with_and_without_a_branch(ids):
-  """The CPU keeps out-of-range ids under `lax.cond`; GPU and TPU always run
-  the same writes (they drop when there is nothing to keep). Both give the
-  reference's slots: distinct ids ascending, then the out-of-range ids in
-  batch order, then `num_rows`."""
+  """Where ids and positions pack into one sort key, one sort keeps the
+  out-of-range ids, with no conditional; elsewhere the CPU keeps them under
+  `lax.cond`, and GPU and TPU always run the same writes (they drop when
+  there is nothing to keep). Each gives the reference's slots: distinct ids
+  ascending, then the out-of-range ids in batch order, then `num_rows`,
+  with the named ids' values summed and zeros elsewhere."""
   import branch_versions
+  from lazy_optax._src import dedup
   from lazy_optax._src import distinct
 
-  num_rows = 5
   ids = np.asarray(ids, np.int32)
   values = np.arange(ids.size * 2, dtype=np.float32).reshape(-1, 2)
+  raw = distinct.from_ids.__wrapped__   # untraced: traced anew below
+  num_rows = 5
   outside = (ids < 0) | (ids > num_rows)
   named = np.unique(ids[~outside & (ids < num_rows)])
   want = np.concatenate([named, ids[outside],
                          np.full(ids.size - named.size - outside.sum(),
                                  num_rows)])
-  raw = distinct.from_ids.__wrapped__   # untraced: traced anew below
+  sums = np.zeros_like(values)
+  for k, i in enumerate(named):
+    sums[k] = values[ids == i].sum(0)
+  packed = dedup.keeps_outside(num_rows, ids.size, ids.dtype)
+  assert packed and not dedup.keeps_outside(2 ** 30, ids.size, ids.dtype)
   got = {}
   for branch_free in (False, True):
     with branch_versions.forced(branch_free):
       # The program inspected is the one run (lowered and compiled once).
-      lowered = jax.jit(lambda i, v: raw(i, v, num_rows)).lower(
+      lowered = jax.jit(lambda i, v, n=num_rows: raw(i, v, n)).lower(
           ids, values)
       text = lowered.as_text()
       got[branch_free] = lowered.compile()(ids, values)
-    assert ('stablehlo.case' in text) != branch_free, text
+    assert ('stablehlo.case' in text) == (not packed and not branch_free)
     np.testing.assert_array_equal(got[branch_free][0], want)
-  for a, b in zip(got[False], got[True]):
-    np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(got[branch_free][1], sums)
   # The two versions called directly, on the deduplicated ids.
   for fn in (distinct.keep_out_of_range_skipping,
              distinct.keep_out_of_range_branch_free):

@@ -114,6 +114,53 @@ def _slots_search(ids: jax.Array, num_rows: int, search: str = 'scan'
   return unique_ids, slot
 
 
+def keeps_outside(num_rows: int, n: int, id_dtype: DTypeLike) -> bool:
+  """Whether `unique_rows_keeping_outside` takes `n` ids of this table:
+  packed keys (one code more than `unique_rows`'s: `num_rows + 1`)."""
+  return _use_packed(num_rows + 1, n, id_dtype, 'auto')
+
+
+@functools.partial(jax.jit, inline=True, static_argnums=2)
+def unique_rows_keeping_outside(ids: jax.Array, values: jax.Array,
+                                num_rows: int) -> tuple[jax.Array, jax.Array]:
+  """XLA's `unique_rows` of raw ids, out-of-range ids kept: the distinct
+  named ids ascending with their summed values, then each out-of-range id
+  (below 0 or above `num_rows`) in a slot of its own in batch order, then
+  `num_rows`; zeros in every slot but the named ones. One sort of packed
+  keys (`keeps_outside` says where they fit), no conditional: keeping the
+  out-of-range ids under a `lax.cond` after the deduplication compiled the
+  26-table DLRM step 1.36x slower on XLA's CPU.
+  """
+  n = ids.shape[0]
+  bits = position_bits(n)
+  outside = (ids < 0) | (ids > num_rows)
+  # Keys: a named id itself, num_rows for one out of range, num_rows + 1
+  # for `num_rows` (no row): the out-of-range ids sort after the named ones
+  # in batch order (the position is the low bits), then the empty slots.
+  code = jnp.where(outside, num_rows,
+                   jnp.where(ids == num_rows, num_rows + 1, ids))
+  key = jnp.sort((code.astype(jnp.uint32) << bits)
+                 | lax.iota(jnp.uint32, n))
+  sorted_code = (key >> bits).astype(jnp.int32)
+  position = (key & jnp.uint32((1 << bits) - 1)).astype(jnp.int32)
+  alone = sorted_code == num_rows   # an out-of-range id: a slot of its own
+  starts = jnp.concatenate(
+      [jnp.ones((1,), bool), sorted_code[1:] != sorted_code[:-1]]) | alone
+  rank = jnp.cumsum(starts.astype(jnp.int32)) - 1
+  held = jnp.where(alone, ids[position],
+                   jnp.minimum(sorted_code, num_rows).astype(ids.dtype))
+  unique_ids = jnp.full((n,), num_rows, ids.dtype).at[
+      jnp.where(starts, rank, n)].set(held, mode='drop', unique_indices=True)
+  slot = jnp.zeros((n,), jnp.int32).at[position].set(rank,
+                                                     unique_indices=True)
+  wide = _accumulation_dtype(values.dtype)
+  summed = jax.ops.segment_sum(
+      values.astype(wide), slot, num_segments=n).astype(values.dtype)
+  keep = ((unique_ids >= 0) & (unique_ids < num_rows)).reshape(
+      (n,) + (1,) * (summed.ndim - 1))
+  return unique_ids, jnp.where(keep, summed, jnp.zeros_like(summed))
+
+
 @functools.partial(jax.jit, inline=True, static_argnums=(2, 3))
 def _xla_unique_rows(ids: jax.Array, values: jax.Array, num_rows: int,
                      method: str = 'auto') -> tuple[jax.Array, jax.Array]:

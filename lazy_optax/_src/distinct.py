@@ -62,6 +62,8 @@ def from_ids(ids: jax.Array, values: jax.Array,
     return ids, values
   ids = _sharding.replicate_if_explicit(ids)
   values = _sharding.replicate_if_explicit(values)
+  if dedup.keeps_outside(num_rows, ids.shape[0], ids.dtype):
+    return dedup.unique_rows_keeping_outside(ids, values, num_rows)
   outside = (ids < 0) | (ids > num_rows)
   safe = jnp.where(outside, jnp.asarray(num_rows, ids.dtype), ids)
   unique_ids, summed = dedup.unique_rows(safe, values, num_rows,
