@@ -5,9 +5,9 @@ import subprocess
 import sys
 import tempfile
 
+import gc_tuning  # (tests/, on the path by pyproject.toml's pythonpath)
 import pytest
-
-import slow_tests  # (tests/, on the path by pyproject.toml's pythonpath)
+import slow_tests
 
 # Subprocesses (the 8-device checks, the guides' snippets) import the package
 # of this checkout, as this process does, not whichever copy is installed,
@@ -108,6 +108,7 @@ def pytest_collection_finish(session):
       'a module imported by pytest changed XLA_FLAGS')
   assert '--xla_force_host_platform_device_count' not in os.environ.get(
       'XLA_FLAGS', ''), 'XLA_FLAGS asks for several devices in the main process'
+  gc_tuning.fewer_collections()  # the tests' modules are imported now
 
 
 # --- The CPU kernels on a machine whose default backend is not the CPU ------

@@ -43,6 +43,8 @@ import tempfile
 import traceback
 from typing import NamedTuple
 
+import gc_tuning
+
 _MARKER = '@@fork-server@@ '
 _TIMEOUT_S = 900
 # What the checks import, imported once by the forking process (importing
@@ -263,6 +265,7 @@ def _in_child(request):
 def serve(preloaded):
   for name in preloaded:
     importlib.import_module(name)
+  gc_tuning.fewer_collections()
   out = sys.stdout
   for request in sys.stdin:
     out.write(_MARKER + json.dumps(_in_child(request)) + '\n')

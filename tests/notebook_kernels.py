@@ -137,6 +137,8 @@ def serve(path):
   import importlib  # pylint: disable=g-import-not-at-top
   for name in PRELOADED:
     importlib.import_module(name)
+  import gc_tuning  # pylint: disable=g-import-not-at-top  (tests/)
+  gc_tuning.fewer_collections()
   server = socket.socket(socket.AF_UNIX)
   if os.path.exists(path):  # left by a server that died
     os.unlink(path)
