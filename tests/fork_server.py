@@ -93,6 +93,10 @@ def _stop(key):
 
 @atexit.register
 def _stop_all():
+  # Every server is told to end before any is waited for: they exit at once.
+  for server in _SERVERS.values():
+    with contextlib.suppress(OSError):
+      server['proc'].stdin.close()
   for key in list(_SERVERS):
     _stop(key)
 
