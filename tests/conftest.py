@@ -111,6 +111,27 @@ def pytest_collection_finish(session):
   gc_tuning.fewer_collections()  # the tests' modules are imported now
 
 
+
+def pytest_unconfigure(config):
+  """A worker process (pytest-xdist) leaves as soon as it is done.
+
+  By then its results have reached the main process. What Python would still
+  do before exiting is tear the process down: jax's exit handler frees every
+  compiled program and cached trace (6 to 7 s a worker after the full
+  suite, on the run's critical path: the main process waits for the last
+  worker). The servers it started end by themselves when it is gone (their
+  stdin closes; the notebooks' checks for its process).
+  """
+  del config
+  if os.environ.get('PYTEST_XDIST_WORKER'):
+    atexit.register(_leave_now)  # registered last: runs first
+
+
+def _leave_now():
+  sys.stdout.flush()
+  sys.stderr.flush()
+  os._exit(0)  # pylint: disable=protected-access
+
 # --- The CPU kernels on a machine whose default backend is not the CPU ------
 #
 # Tables kept in host memory on a GPU machine are a real use: the CPU kernels
