@@ -111,7 +111,6 @@ def pytest_collection_finish(session):
   gc_tuning.fewer_collections()  # the tests' modules are imported now
 
 
-
 def pytest_unconfigure(config):
   """A worker process (pytest-xdist) leaves as soon as it is done.
 
@@ -131,6 +130,7 @@ def _leave_now():
   sys.stdout.flush()
   sys.stderr.flush()
   os._exit(0)  # pylint: disable=protected-access
+
 
 # --- The CPU kernels on a machine whose default backend is not the CPU ------
 #
