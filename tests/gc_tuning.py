@@ -8,8 +8,8 @@ took 17 and 20 s of each worker's 400 s. `fewer_collections()`, called
 once the long-lived objects exist (after collecting the tests; before a
 server forks its checks or kernels), freezes what is alive (never scanned
 again, and left unwritten by the collector in forked children) and starts
-a collection after 10,000 new objects instead of 700: 6 s a worker, and
-the run 21 s shorter (409 to 388 s). Garbage is still collected, less often.
+a collection after 10,000 new objects instead of 700: 6 s a worker
+(measured with `gc.callbacks`). Garbage is still collected, less often.
 """
 
 import gc
