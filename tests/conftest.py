@@ -1,9 +1,7 @@
 import atexit
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 
 import gc_tuning  # (tests/, on the path by pyproject.toml's pythonpath)
 import pytest
@@ -68,30 +66,7 @@ if _added:
   os.environ['XLA_FLAGS'] = ' '.join([_flags, *_added]).strip()
 
 
-# JAX's persistent compilation cache, shared by this run's processes: the
-# pytest workers, the 8-device subprocesses and the notebooks' kernels (they
-# inherit the environment; jax reads JAX_* variables at import). Many tests
-# build the same step anew (a fresh optimizer, the same program): XLA compiles
-# it once per run, not once per test and process. The cache is keyed by the
-# program, the jax/jaxlib versions, the devices and XLA_FLAGS, so a hit is
-# the program that would have been compiled. Its directory lives as long as
-# the run (made by the first process, which removes it at exit), unless the
-# caller names one in JAX_COMPILATION_CACHE_DIR (.ci/run shares one between
-# its two runs).
-if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
-  _cache = tempfile.mkdtemp(prefix='lazy_optax_jax_cache_')
-  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
-  os.environ['JAX_COMPILATION_CACHE_DIR'] = _cache
-# Every program, however small or quick to compile.
-os.environ['JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS'] = '0'
-os.environ['JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES'] = '-1'
-
 import jax  # noqa: E402  (after the variables above, which it reads)
-
-jax.config.update('jax_compilation_cache_dir',
-                  os.environ.get('JAX_COMPILATION_CACHE_DIR'))
-jax.config.update('jax_persistent_cache_min_compile_time_secs', 0)
-jax.config.update('jax_persistent_cache_min_entry_size_bytes', -1)
 
 
 _XLA_FLAGS = os.environ.get('XLA_FLAGS', '')

@@ -168,8 +168,8 @@ def _xla_assigns(name):
 
   Under `ttl` the CPU runs XLA's path (no kernel): the skipping version is
   then the library's own jitted assign, the program that `table.assign`
-  runs in test_assign_follows_the_model (the same program: compiled once,
-  then read from the run's compilation cache)."""
+  runs in test_assign_follows_the_model (the same program: jax compiles it
+  once per process and the call reuses it)."""
   cfg, n = CONFIGS[name]
   table = lazy_optax.IdTable(eviction_log=LOG, **cfg)
   args = (table.init(), jnp.zeros((n, 2), jnp.uint32), jnp.int32(0))
