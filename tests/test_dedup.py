@@ -69,3 +69,43 @@ def test_unique_rows_empty_batch():
   ids, values = dedup.unique_rows(jnp.zeros((0,), jnp.int32),
                                   jnp.zeros((0, 2)), 5)
   assert ids.shape == (0,) and values.shape == (0, 2)
+
+
+def _kept_outside_model(ids, values, num_rows):
+  """`unique_rows_keeping_outside` in numpy: the named ids ascending with
+  their sums, then each out-of-range id in batch order, then `num_rows`."""
+  ids = np.asarray(ids)
+  values = np.asarray(values, np.float64)
+  named = sorted(set(int(i) for i in ids if 0 <= i < num_rows))
+  outside = [int(i) for i in ids if i < 0 or i > num_rows]
+  want_ids = named + outside + [num_rows] * (len(ids) - len(named)
+                                              - len(outside))
+  want_values = np.zeros_like(values)
+  for k, i in enumerate(named):
+    want_values[k] = values[ids == i].sum(axis=0)
+  return np.asarray(want_ids), want_values
+
+
+@pytest.mark.parametrize('dtype', [jnp.float32, jnp.bfloat16])
+def test_tables_deduplicated_together_match_numpy_and_one_by_one(dtype):
+  # Three tables' ids in one program, each with its own row count: repeats,
+  # ids equal to num_rows (no row), negative and too large ones.
+  rng = np.random.default_rng(3)
+  num_rows = (10, 1000, 77)
+  n = 64
+  ids = np.stack([rng.integers(-3, r + 4, n) for r in num_rows])
+  ids[:, :8] = ids[:, 8:16]
+  ids = jnp.asarray(ids, jnp.int32)
+  values = jnp.asarray(rng.normal(size=(3, n, 2)), dtype)
+  got_ids, got_values = dedup.unique_rows_keeping_outside_stacked(
+      ids, values, num_rows)
+  assert got_ids.shape == (3, n) and got_values.dtype == dtype
+  for t, r in enumerate(num_rows):
+    want_ids, want_values = _kept_outside_model(ids[t], values[t], r)
+    np.testing.assert_array_equal(got_ids[t], want_ids)
+    np.testing.assert_allclose(np.asarray(got_values[t], np.float64),
+                               want_values, rtol=1e-2, atol=1e-2)
+    one_ids, one_values = jax.jit(dedup.unique_rows_keeping_outside,
+                                  static_argnums=2)(ids[t], values[t], r)
+    np.testing.assert_array_equal(got_ids[t], one_ids)
+    np.testing.assert_array_equal(got_values[t], one_values)

@@ -1,6 +1,7 @@
 """lazy_optax.value_and_grad and lookup against jax.grad of plain gathers."""
 
 import functools
+import re
 
 from flax import nnx
 import flax.linen as nn
@@ -359,3 +360,31 @@ def test_a_jitted_step_is_traced_once():
   for k in range(4):
     params, opt_state = step(params, opt_state, jnp.array([k, k + 1]))
   assert len(traces) == 1
+
+
+def test_tables_alike_are_deduplicated_in_one_program():
+  # Three tables of different sizes looked up with one [B] column each (a
+  # DLRM's features): their gradients are deduplicated together (one sort
+  # in the program, not three) and equal jax.grad's dense ones.
+  rng = np.random.default_rng(4)
+  sizes = (9, 40, 17)
+  params = {f't{k}': jnp.asarray(rng.normal(size=(r, 4)), jnp.float32)
+            for k, r in enumerate(sizes)}
+  ids = jnp.asarray(np.stack([rng.integers(0, r, 16) for r in sizes], 1),
+                    jnp.int32)
+
+  def loss_fn(take, params, ids):
+    rows = [take(params[f't{k}'], ids[:, k]) for k in range(len(sizes))]
+    return jnp.sum(jnp.tanh(rows[0] * rows[1] + rows[2]) ** 2)
+
+  step = jax.jit(lazy_optax.value_and_grad(
+      functools.partial(loss_fn, lazy_optax.lookup)))
+  compiled = step.lower(params, ids).compile().as_text()
+  assert len(re.findall(r'= \S+ sort\(', compiled)) == 1
+  _, grads = step(params, ids)
+  _, ref = jax.value_and_grad(functools.partial(
+      loss_fn, lambda t, i: jnp.take(t, i, axis=0)))(params, ids)
+  for name in params:
+    assert isinstance(grads[name], lazy_optax.SparseRows), name
+    np.testing.assert_allclose(grads[name].to_dense(), ref[name], rtol=1e-5,
+                               atol=1e-6)

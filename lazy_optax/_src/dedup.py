@@ -78,15 +78,16 @@ def _use_packed(num_rows: int, n: int, id_dtype: DTypeLike,
   return method == 'packed' or n <= PACKED_MAX_IDS
 
 
-def _slots_packed(ids: jax.Array, num_rows: int, keep_outside: bool = False
-                  ) -> tuple[jax.Array, jax.Array]:
+def _slots_packed(ids: jax.Array, num_rows: int | jax.Array,
+                  keep_outside: bool = False) -> tuple[jax.Array, jax.Array]:
   # One sort of `id << bits | position` gives the sorted ids and, in the low
   # bits, where each came from; a running count of run starts numbers the
   # distinct ids (their slots, from the front), and one small scatter sends
   # each slot back to the positions of its ids. To keep the out-of-range
   # ids (below 0 or above num_rows), they sort as num_rows (after the named
   # ids, in batch order: the position is the low bits), each a run of its
-  # own holding its id, and `num_rows` (no row) as num_rows + 1.
+  # own holding its id, and `num_rows` (no row) as num_rows + 1. The row
+  # count may be an array (`unique_rows_keeping_outside_stacked`).
   n = ids.shape[0]
   bits = position_bits(n)
   code = ids
@@ -145,19 +146,57 @@ def unique_rows_keeping_outside(ids: jax.Array, values: jax.Array,
   return _xla_unique_rows(ids, values, num_rows, 'packed', True)
 
 
+@functools.partial(jax.jit, static_argnums=2)
+def unique_rows_keeping_outside_stacked(
+    ids: jax.Array, values: jax.Array, num_rows: tuple[int, ...]
+) -> tuple[jax.Array, jax.Array]:
+  """`unique_rows_keeping_outside` of several tables at once, in one program.
+
+  The tables' ids share a shape and dtype, and so do their values; each row
+  count must pass `keeps_outside`. The row counts enter as data, so XLA
+  compiles each of the program's kernels once for all the tables rather
+  than once a table (the 26-table DLRM step compiled in 5.0 s against
+  7.3 s with a deduplication a table, on 1 thread).
+
+  Args:
+    ids: integer `[T, N]`, table `t`'s raw ids in row `t`.
+    values: `[T, N, *row_shape]`.
+    num_rows: the `T` tables' row counts.
+
+  Returns:
+    `(ids, values)` of the same shapes and dtypes: row `t` is
+    `unique_rows_keeping_outside(ids[t], values[t], num_rows[t])`.
+  """
+  counts = jnp.asarray(num_rows, ids.dtype)
+  return jax.vmap(_packed_keeping_outside)(ids, values, counts)
+
+
 @functools.partial(jax.jit, inline=True, static_argnums=(2, 3, 4))
 def _xla_unique_rows(ids: jax.Array, values: jax.Array, num_rows: int,
                      method: str = 'auto', keep_outside: bool = False
                      ) -> tuple[jax.Array, jax.Array]:
   # Traced once per signature and inlined: a step of many tables of one
   # shape, or many traces of a step, reuse the trace.
-  n = ids.shape[0]
   if keep_outside:
-    unique_ids, slot = _slots_packed(ids, num_rows, keep_outside=True)
-  elif _use_packed(num_rows, n, ids.dtype, method):
+    return _packed_keeping_outside(ids, values, num_rows)
+  if _use_packed(num_rows, ids.shape[0], ids.dtype, method):
     unique_ids, slot = _slots_packed(ids, num_rows)
   else:
     unique_ids, slot = _slots_search(ids, num_rows)
+  return _summed_into_slots(values, unique_ids, slot, num_rows)
+
+
+def _packed_keeping_outside(ids: jax.Array, values: jax.Array,
+                            num_rows: int | jax.Array
+                            ) -> tuple[jax.Array, jax.Array]:
+  unique_ids, slot = _slots_packed(ids, num_rows, keep_outside=True)
+  return _summed_into_slots(values, unique_ids, slot, num_rows)
+
+
+def _summed_into_slots(values: jax.Array, unique_ids: jax.Array,
+                       slot: jax.Array, num_rows: int | jax.Array
+                       ) -> tuple[jax.Array, jax.Array]:
+  n = slot.shape[0]
   wide = _accumulation_dtype(values.dtype)
   summed = jax.ops.segment_sum(
       values.astype(wide), slot, num_segments=n).astype(values.dtype)

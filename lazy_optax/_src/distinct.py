@@ -12,7 +12,7 @@ rows read back from an id code that tree arithmetic may have reordered.
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, TYPE_CHECKING
+from typing import NamedTuple, Optional, Sequence, TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +73,49 @@ def from_ids(ids: jax.Array, values: jax.Array,
       functools.partial(keep_out_of_range_branch_free, num_rows=num_rows),
       unique_ids, ids, outside)
   return unique_ids, summed
+
+
+def from_ids_of_tables(parts: Sequence[tuple[jax.Array, jax.Array, int]]
+                       ) -> list[tuple[jax.Array, jax.Array]]:
+  """`from_ids` of several tables' rows: those alike in one program.
+
+  Tables whose ids share a shape and dtype, whose values do too, and whose
+  ids fit packed keys (`dedup.keeps_outside`), outside Explicit meshes and
+  `shard_map`, are deduplicated together
+  (`dedup.unique_rows_keeping_outside_stacked`); the others one by one. The
+  results are those of `from_ids`, bit for bit.
+
+  Args:
+    parts: `(ids, values, num_rows)` of each table, as for `from_ids`.
+
+  Returns:
+    `from_ids(*part)` of each part, in order.
+  """
+  groups: dict[tuple, list[int]] = {}
+  for k, (ids, values, num_rows) in enumerate(parts):
+    if _stackable(ids, values, num_rows):
+      key = (ids.shape, ids.dtype, values.shape, values.dtype)
+      groups.setdefault(key, []).append(k)
+  out: list[Optional[tuple[jax.Array, jax.Array]]] = [None] * len(parts)
+  for members in groups.values():
+    if len(members) < 2:
+      continue
+    ids, values = dedup.unique_rows_keeping_outside_stacked(
+        jnp.stack([parts[k][0] for k in members]),
+        jnp.stack([parts[k][1] for k in members]),
+        tuple(parts[k][2] for k in members))
+    for t, k in enumerate(members):
+      out[k] = (ids[t], values[t])
+  return [done if done is not None else from_ids(*part)
+          for done, part in zip(out, parts)]
+
+
+def _stackable(ids: jax.Array, values: jax.Array, num_rows: int) -> bool:
+  if not ids.shape[0] or not dedup.keeps_outside(num_rows, ids.shape[0],
+                                                 ids.dtype):
+    return False
+  return not any(_sharding.explicit_mesh(x) or _sharding.varying_axes(x)
+                 for x in (ids, values))
 
 
 def keep_out_of_range_skipping(unique_ids: jax.Array, ids: jax.Array,

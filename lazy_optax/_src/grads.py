@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jax.typing import ArrayLike
 import optax
 
+from lazy_optax._src import distinct
 from lazy_optax._src import row_ops
 from lazy_optax._src import sharding as _sharding
 from lazy_optax._src import validate
@@ -286,6 +287,7 @@ def _differentiate(call: _Call, params: _Params, sparse: list[int],
   grads: list[Optional[jax.Array | SparseRows]] = [None] * len(params.leaves)
   for i, g in zip(dense, g_dense):
     grads[i] = g
+  parts = []
   for i in sparse:
     table = params.leaves[i]
     row_shape = tuple(jnp.shape(table)[1:])
@@ -295,10 +297,14 @@ def _differentiate(call: _Call, params: _Params, sparse: list[int],
     # to read the rows (O(ids)).
     values = row_ops.after(_flat(g_rows[i], row_shape),
                            _flat(reads[i], row_shape))
-    # Repeated ids are summed here, where the gradient is built; slots may
-    # name `num_rows` (padding: no row).
-    grads[i] = SparseRows.from_unique(ids[i], values.astype(table.dtype),
-                                      jnp.shape(table)[0])
+    num_rows = jnp.shape(table)[0]
+    parts.append((ids[i].astype(index_dtype(num_rows)),
+                  values.astype(table.dtype), num_rows))
+  # Repeated ids are summed here, where the gradient is built, the tables
+  # alike in one program; slots may name `num_rows` (padding: no row).
+  for i, (kept, summed), (_, _, num_rows) in zip(
+      sparse, distinct.from_ids_of_tables(parts), parts):
+    grads[i] = SparseRows.from_unique(kept, summed, num_rows, distinct=True)
   return loss, aux, jax.tree_util.tree_unflatten(params.treedef, grads)
 
 
