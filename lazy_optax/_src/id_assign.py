@@ -76,8 +76,8 @@ def pick(values: jax.Array, j: jax.Array) -> jax.Array:
 
 
 def count(mask: jax.Array) -> jax.Array:
-  """The number of True entries of `mask`, int32."""
-  return jnp.sum(mask.astype(jnp.int32))
+  """The number of True entries of `mask`, int32 (under x64 too)."""
+  return jnp.sum(mask, dtype=jnp.int32)
 
 
 def decayed(counts: jax.Array, seen: jax.Array, now: jax.Array,

@@ -133,15 +133,11 @@ def on_platform(table: IdTable, state: IdTableState,
                 *args: Union[IdTableState, jax.Array]) -> Out:
   """`cpu(*args)` on CPU where `usable`, else (and elsewhere) `default`.
 
-  The kernel's outputs take the dtypes of `default`'s (under x64, XLA's
-  path counts in int64 where the kernel counts in int32).
+  Both paths return the same dtypes (int32 counts, the state's own dtypes,
+  under x64 too): `jax.lax.platform_dependent` refuses branches that differ,
+  at trace time, and `default` is traced once.
   """
   if not usable(table, state):
     return default(*args)
-  like = jax.eval_shape(default, *args)
-
-  def cpu_like(*a: Union[IdTableState, jax.Array]) -> Out:
-    return jax.tree.map(lambda x, s: x.astype(s.dtype), cpu(*a), like)
-
-  return jax.lax.platform_dependent(*args, cpu=cpu_like, default=default)
+  return jax.lax.platform_dependent(*args, cpu=cpu, default=default)
 
