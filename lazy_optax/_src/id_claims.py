@@ -301,6 +301,9 @@ def merge(carry: RoundCarry, tables: ClaimTables,
       carry.declined | result.declined)
 
 
+# Jitted (the table static): each round's version for the CPU and the
+# branch-free one both run it, and `jax.jit` traces it once for both.
+@functools.partial(jax.jit, static_argnums=0)
 def full_round(table: IdTable, inputs: RoundInputs,
                carry: RoundCarry) -> RoundCarry:
   """A round over all `N` rows (rows not pending claim nothing)."""
