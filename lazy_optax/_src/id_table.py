@@ -357,24 +357,7 @@ class IdTable:
     Returns:
       An `IdTableState`.
     """
-    c, log, sketch = self.capacity, self._log_size, self._sketch_shape
-    state = IdTableState(
-        ids=jnp.full((c, 2), id_words.EMPTY_WORD, jnp.uint32),
-        last_seen=jnp.full((c,), EMPTY_STEP, jnp.int32),
-        counts=jnp.zeros((c,), jnp.int32) if self.eviction == 'lfu' else None,
-        claims=jnp.zeros((c,), jnp.uint32),
-        sketch=None if sketch is None else jnp.zeros(sketch, jnp.int32),
-        wheel=None if self.ttl is None else jnp.zeros((self.ttl + 1,),
-                                                      jnp.int32),
-        log_ids=jnp.full((log, 2), id_words.EMPTY_WORD, jnp.uint32)
-        if log else None,
-        log_steps=jnp.full((log,), -1, jnp.int32) if log else None,
-        log_next=jnp.zeros((), jnp.int32),
-        log_lost=jnp.full((), -1, jnp.int32),
-        step=jnp.full((), -1, jnp.int32),
-        live=jnp.zeros((), jnp.int32),
-        counters=IdCounters(*(jnp.zeros((2,), jnp.uint32)
-                              for _ in IdCounters._fields)))
+    state = _empty_state_jit(self)
     cpu_kernels.load_for(state)   # eagerly, on concrete CPU arrays only
     return state
 
@@ -652,6 +635,27 @@ class IdTable:
     fresh = fresh._replace(capacity=self.capacity)
     return slots.reshape(shape), state, fresh
 
+  def _empty_state(self) -> IdTableState:
+    """`init`'s arrays (jitted below: one program, not one per array)."""
+    c, log, sketch = self.capacity, self._log_size, self._sketch_shape
+    return IdTableState(
+        ids=jnp.full((c, 2), id_words.EMPTY_WORD, jnp.uint32),
+        last_seen=jnp.full((c,), EMPTY_STEP, jnp.int32),
+        counts=jnp.zeros((c,), jnp.int32) if self.eviction == 'lfu' else None,
+        claims=jnp.zeros((c,), jnp.uint32),
+        sketch=None if sketch is None else jnp.zeros(sketch, jnp.int32),
+        wheel=None if self.ttl is None else jnp.zeros((self.ttl + 1,),
+                                                      jnp.int32),
+        log_ids=jnp.full((log, 2), id_words.EMPTY_WORD, jnp.uint32)
+        if log else None,
+        log_steps=jnp.full((log,), -1, jnp.int32) if log else None,
+        log_next=jnp.zeros((), jnp.int32),
+        log_lost=jnp.full((), -1, jnp.int32),
+        step=jnp.full((), -1, jnp.int32),
+        live=jnp.zeros((), jnp.int32),
+        counters=IdCounters(*(jnp.zeros((2,), jnp.uint32)
+                              for _ in IdCounters._fields)))
+
   def _assign(self, state: IdTableState, words: jax.Array, now: jax.Array
               ) -> tuple[jax.Array, IdTableState, FreshRows, jax.Array]:
     """The CPU kernel where it may run (`id_kernels.usable`), else XLA's."""
@@ -673,6 +677,7 @@ class IdTable:
 
 # Jitted with the (hashable, frozen) table static: one compiled program per
 # table and batch shape when called eagerly; inlined under an outer jit.
+_empty_state_jit = jax.jit(IdTable._empty_state, static_argnums=0)
 _assign_jit = jax.jit(IdTable._assign, static_argnums=0)
 _find_jit = jax.jit(IdTable._find, static_argnums=0)
 
