@@ -37,8 +37,6 @@ from lazy_optax._src.placement import placement
 
 __all__ = ('Backend', 'OUTSIDE_LAZY', 'Placement', 'placement', 'decide')
 
-KINDS = ('cpu_kernel', 'xla', 'generic')
-
 # Measured on CPU only: lazy_adam steps, 1,000,000-row float32 tables, 4,096
 # ids, 1 thread (XLA path): rows of 64 floats 1.03 vs 1.60 ms with the rows
 # read back, 32 floats 0.53 vs 0.59 ms, 16 floats 0.42 vs 0.33 ms (slower).
