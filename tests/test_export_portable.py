@@ -56,13 +56,13 @@ import lazy_optax
 
 NUM_ROWS, DIM, BATCH, BAG = 64, 4, 8, 3
 PLATFORMS = ('cuda', 'tpu')
+COUNTED = ('sort', 'scatter', 'gather')
 
 # Every test of the file on one worker: the steps' traces and each
 # platform's export are cached in the process (`_step_and_args`,
 # `exported`), so each step is traced once and exported once per set of
 # platforms, not once again by each worker.
 pytestmark = pytest.mark.xdist_group('export_portable')
-COUNTED = ('sort', 'scatter', 'gather')
 
 _KERNEL = re.compile(r'lazy_optax_|LazyOptax')
 _CALLBACK = re.compile(r'callback', re.IGNORECASE)
