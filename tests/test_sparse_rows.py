@@ -135,7 +135,7 @@ def test_out_of_range_ids_are_kept_alike_with_and_without_a_branch(ids):
 
   ids = np.asarray(ids, np.int32)
   values = np.arange(ids.size * 2, dtype=np.float32).reshape(-1, 2)
-  raw = distinct.from_ids.__wrapped__   # untraced: traced anew below
+  raw = distinct.from_ids   # packed keys below: its program has no branch
   num_rows = 5
   outside = (ids < 0) | (ids > num_rows)
   named = np.unique(ids[~outside & (ids < num_rows)])
@@ -165,6 +165,34 @@ def test_out_of_range_ids_are_kept_alike_with_and_without_a_branch(ids):
         np.concatenate([named, np.full(ids.size - named.size, num_rows)]
                        ).astype(np.int32), ids, outside, num_rows)
     np.testing.assert_array_equal(out, want)
+
+
+def test_tables_of_every_size_share_one_deduplication_program():
+  """Ids that fit packed keys are deduplicated with the row count as data:
+  building a `SparseRows` for a table of another size compiles nothing
+  new, and the ids and sums are those of its own size."""
+  compiled = []
+
+  def listen(event, duration, **kwargs):
+    del duration, kwargs
+    if event == '/jax/core/compile/backend_compile_duration':
+      compiled.append(event)
+
+  ids = jnp.asarray([3, 1, 3, 0, 7, 1], jnp.int32)
+  values = jnp.arange(12, dtype=jnp.float32).reshape(6, 2)
+  SparseRows(ids, values, 40)   # compiles what a first table compiles
+  jax.monitoring.register_event_duration_secs_listener(listen)
+  try:
+    built = {n: SparseRows(ids, values, n) for n in (8, 57, 300)}
+  finally:
+    jax.monitoring.unregister_event_duration_listener(listen)
+  assert not compiled, compiled
+  v = np.asarray(values)
+  for n, g in built.items():
+    np.testing.assert_array_equal(g.ids, [0, 1, 3, 7, n, n])
+    np.testing.assert_array_equal(
+        g.values, [v[3], v[1] + v[5], v[0] + v[2], v[4], 0 * v[0],
+                   0 * v[0]])
 
 
 # -- the id code: NumPy for concrete arrays, jax.numpy for tracers ----------

@@ -42,11 +42,12 @@ def _with_out_of_range(unique_ids: jax.Array, ids: jax.Array,
   return unique_ids.at[target].set(ids, mode='drop')
 
 
-@functools.partial(jax.jit, static_argnums=2)
 def from_ids(ids: jax.Array, values: jax.Array,
              num_rows: int) -> tuple[jax.Array, jax.Array]:
   """Distinct ids and summed values of `(ids, values)`, in `N` slots, with
-  XLA's ops (outside `lazy(...)`'s decision); compiled once per signature.
+  XLA's ops (outside `lazy(...)`'s decision); compiled once per signature
+  (where the ids fit packed keys, `dedup.keeps_outside`, the row count is
+  data: one trace and one program for every table size).
 
   Args:
     ids: integer vector `[N]`, any values (out-of-range ones touch no row).
@@ -63,7 +64,14 @@ def from_ids(ids: jax.Array, values: jax.Array,
   ids = _sharding.replicate_if_explicit(ids)
   values = _sharding.replicate_if_explicit(values)
   if dedup.keeps_outside(num_rows, ids.shape[0], ids.dtype):
-    return dedup.unique_rows_keeping_outside(ids, values, num_rows)
+    return dedup.unique_rows_keeping_outside(
+        ids, values, jnp.asarray(num_rows, ids.dtype))
+  return _from_ids_sorted(ids, values, num_rows)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _from_ids_sorted(ids: jax.Array, values: jax.Array, num_rows: int
+                     ) -> tuple[jax.Array, jax.Array]:
   outside = (ids < 0) | (ids > num_rows)
   safe = jnp.where(outside, jnp.asarray(num_rows, ids.dtype), ids)
   unique_ids, summed = dedup.unique_rows(safe, values, num_rows,
