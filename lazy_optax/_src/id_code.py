@@ -371,34 +371,37 @@ def safe_ids(code: jax.Array, values: jax.Array, num_rows: int, where: str,
   on_host = _damaged_on_host(code, values, num_rows)
   if on_host is not None:
     return _placed(_kept(*on_host, num_rows, np), code)
-  decoded, hurt, reported = _inspect(code, values, num_rows)
+  id_dtype = jnp.dtype(index_dtype(num_rows))
+  decoded, hurt, reported = _inspect(code, values, id_dtype)
   if report and isinstance(hurt, jax.core.Tracer) and values.shape[0]:
     zero = damage.report_if_damaged(reported == 0, reported, where,
                                     values.shape[0])
     hurt = hurt | (zero != 0)  # ties the step's outputs to the report
-  return _kept_traced(decoded, hurt, num_rows)
+  return _kept_traced(decoded, hurt, jnp.asarray(num_rows, id_dtype))
 
 
+# Traced once per signature and inlined; the row count enters as data, so
+# tables of every size share the trace.
 @functools.partial(jax.jit, inline=True, static_argnums=2)
-def _inspect(code: jax.Array, values: jax.Array, num_rows: int
+def _inspect(code: jax.Array, values: jax.Array, id_dtype: np.dtype
              ) -> tuple[Decoded[jax.Array], jax.Array, jax.Array]:
-  """What `safe_ids` reads of a code with `jax.numpy` (traced once per
-  signature, inlined): the decoded code, its damaged entries and how many
-  of them have finite values (the damage to report)."""
-  decoded = _decode(code, index_dtype(num_rows), jnp)
+  """What `safe_ids` reads of a code with `jax.numpy`: the decoded code,
+  its damaged entries and how many of them have finite values (the damage
+  to report)."""
+  decoded = _decode(code, id_dtype, jnp)
   hurt = damaged(decoded, values)
   finite = jnp.all(jnp.isfinite(values.reshape(values.shape[0], -1)), axis=1)
   return decoded, hurt, jnp.sum(hurt & finite, dtype=jnp.int32)
 
 
-@functools.partial(jax.jit, inline=True, static_argnums=2)
-def _kept_traced(read: Decoded[jax.Array], hurt: jax.Array, num_rows: int
-                 ) -> jax.Array:
+@functools.partial(jax.jit, inline=True)
+def _kept_traced(read: Decoded[jax.Array], hurt: jax.Array,
+                 num_rows: jax.Array) -> jax.Array:
   return _kept(read, hurt, num_rows, jnp)
 
 
-def _kept(read: Decoded[XpArray], hurt: XpArray, num_rows: int, xp: ModuleType
-          ) -> XpArray:
+def _kept(read: Decoded[XpArray], hurt: XpArray, num_rows: int | XpArray,
+          xp: ModuleType) -> XpArray:
   """The intact in-range ids, `num_rows` elsewhere and everywhere if hurt."""
   ids = read.ids
   keep = read.intact & ~xp.any(hurt) & (ids >= 0) & (ids < num_rows)
@@ -464,11 +467,11 @@ class RowIds:
     """`safe_ids` of a code rebuilt from leaves; the given ids in range."""
     if self.given is None:
       return safe_ids(self._leaf_code(), values, num_rows, where, report)
-    return _in_range(self.given, num_rows)
+    return _in_range(self.given, jnp.asarray(num_rows, self.given.dtype))
 
 
-@functools.partial(jax.jit, inline=True, static_argnums=1)
-def _in_range(ids: jax.Array, num_rows: int) -> jax.Array:
-  """`ids`, each outside `[0, num_rows)` set to `num_rows`."""
-  return jnp.where((ids >= 0) & (ids < num_rows), ids,
-                   jnp.asarray(num_rows, ids.dtype))
+@functools.partial(jax.jit, inline=True)
+def _in_range(ids: jax.Array, num_rows: jax.Array) -> jax.Array:
+  """`ids`, each outside `[0, num_rows)` set to `num_rows` (a row count
+  of the ids' dtype, as data: one trace for tables of every size)."""
+  return jnp.where((ids >= 0) & (ids < num_rows), ids, num_rows)
