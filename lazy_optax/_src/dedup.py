@@ -114,8 +114,8 @@ def _slots_packed(ids: jax.Array, num_rows: int | jax.Array,
   return unique_ids, slot
 
 
-def _slots_search(ids: jax.Array, num_rows: int, search: str = 'scan'
-                  ) -> tuple[jax.Array, jax.Array]:
+def _slots_search(ids: jax.Array, num_rows: int | jax.Array,
+                  search: str = 'scan') -> tuple[jax.Array, jax.Array]:
   # Slot k stands for the run of equal ids that starts at k in the sorted
   # ids; each id finds its run's first slot by binary search.
   sorted_ids = jnp.sort(ids)
@@ -175,15 +175,14 @@ def unique_rows_keeping_outside_stacked(
   return jax.vmap(unique_rows_keeping_outside)(ids, values, counts)
 
 
-@functools.partial(jax.jit, inline=True, static_argnums=(2, 3))
-def _xla_unique_rows(ids: jax.Array, values: jax.Array, num_rows: int,
-                     method: str = 'auto') -> tuple[jax.Array, jax.Array]:
-  # Traced once per signature and inlined: a step of many tables of one
-  # shape, or many traces of a step, reuse the trace.
-  if _use_packed(num_rows, ids.shape[0], ids.dtype, method):
-    unique_ids, slot = _slots_packed(ids, num_rows)
-  else:
-    unique_ids, slot = _slots_search(ids, num_rows)
+@functools.partial(jax.jit, inline=True, static_argnums=3)
+def _xla_unique_rows(ids: jax.Array, values: jax.Array, num_rows: jax.Array,
+                     packed: bool) -> tuple[jax.Array, jax.Array]:
+  # Traced once per signature and inlined, the row count as data: the tables
+  # of a step (of any sizes) with one batch shape, or many traces of a step,
+  # reuse the trace.
+  slots = _slots_packed if packed else _slots_search
+  unique_ids, slot = slots(ids, num_rows)
   return _summed_into_slots(values, unique_ids, slot, num_rows)
 
 
@@ -225,6 +224,8 @@ def unique_rows(ids: jax.Array, values: jax.Array, num_rows: int,
   """
   if ids.shape[0] == 0:
     return ids, values
+  packed = _use_packed(num_rows, ids.shape[0], ids.dtype, method)
+  rows = jnp.asarray(num_rows, ids.dtype)
   if (jnp.dtype(ids.dtype) == jnp.dtype(jnp.int32)
       and jnp.dtype(values.dtype) in cpu_kernels.STORAGE_DTYPES
       and row_ops.kernels_for(values, backend)):
@@ -234,8 +235,8 @@ def unique_rows(ids: jax.Array, values: jax.Array, num_rows: int,
 
     return jax.lax.platform_dependent(
         ids, values, cpu=on_cpu,
-        default=lambda i, v: _xla_unique_rows(i, v, num_rows, method))
-  return _xla_unique_rows(ids, values, num_rows, method)
+        default=lambda i, v: _xla_unique_rows(i, v, rows, packed))
+  return _xla_unique_rows(ids, values, rows, packed)
 
 
 @functools.partial(jax.jit, inline=True, static_argnums=1)
