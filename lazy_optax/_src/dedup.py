@@ -178,9 +178,8 @@ def unique_rows_keeping_outside_stacked(
 @functools.partial(jax.jit, inline=True, static_argnums=3)
 def _xla_unique_rows(ids: jax.Array, values: jax.Array, num_rows: jax.Array,
                      packed: bool) -> tuple[jax.Array, jax.Array]:
-  # Traced once per signature and inlined, the row count as data: the tables
-  # of a step (of any sizes) with one batch shape, or many traces of a step,
-  # reuse the trace.
+  # Traced once per signature (the row count is data: tables of any size
+  # share it) and inlined.
   slots = _slots_packed if packed else _slots_search
   unique_ids, slot = slots(ids, num_rows)
   return _summed_into_slots(values, unique_ids, slot, num_rows)

@@ -46,8 +46,7 @@ def from_ids(ids: jax.Array, values: jax.Array,
              num_rows: int) -> tuple[jax.Array, jax.Array]:
   """Distinct ids and summed values of `(ids, values)`, in `N` slots, with
   XLA's ops (outside `lazy(...)`'s decision); compiled once per signature
-  (where the ids fit packed keys, `dedup.keeps_outside`, the row count is
-  data: one trace and one program for every table size).
+  (once for every table size where the ids fit `dedup.keeps_outside`).
 
   Args:
     ids: integer vector `[N]`, any values (out-of-range ones touch no row).
