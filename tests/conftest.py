@@ -1,7 +1,9 @@
 import atexit
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 import gc_tuning  # (tests/, on the path by pyproject.toml's pythonpath)
 import pytest
@@ -66,16 +68,24 @@ if _added:
   os.environ['XLA_FLAGS'] = ' '.join([_flags, *_added]).strip()
 
 
-# JAX's persistent compilation cache, only where the caller names its
-# directory (JAX_COMPILATION_CACHE_DIR): .ci/run shares one between its run
-# of the suite and its run on the oldest versions, which compiles many of
-# the same programs. Within one run of the suite it saves nothing: over the
-# whole suite its hits were programs that compile in under 50 ms (all but
-# one of 1,621), and reading them took longer than compiling them. So only
-# programs that took 50 ms or more to compile are written.
-if os.environ.get('JAX_COMPILATION_CACHE_DIR'):
-  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0.05')
-  os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
+# JAX's persistent compilation cache, shared by every process of the run
+# (the xdist workers, the multi-device and new-process checks' servers, the
+# notebooks' kernels: they inherit the environment): a program one of them
+# compiled, the same HLO for the same devices and options, is read from it
+# by the others instead of compiled again. About a quarter of the suite's
+# compilations are such repeats (most of them the same small programs
+# compiled by each worker). In the directory the caller names
+# (JAX_COMPILATION_CACHE_DIR: .ci/run shares one between its run of the
+# suite and its run on the oldest versions, which compiles many of the same
+# programs), else in one of the run's own, removed when the run ends. Every
+# program is written, however short its compilation.
+if not os.environ.get('JAX_COMPILATION_CACHE_DIR'):
+  os.environ['JAX_COMPILATION_CACHE_DIR'] = tempfile.mkdtemp(
+      prefix='lazy_optax_jax_cache_')
+  atexit.register(shutil.rmtree, os.environ['JAX_COMPILATION_CACHE_DIR'],
+                  ignore_errors=True)
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS', '0')
+os.environ.setdefault('JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES', '-1')
 
 import jax  # noqa: E402  (after the variables above, which it reads)
 
