@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import threading
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
@@ -42,12 +43,16 @@ def _rows_like_ids(table: ArrayLike, ids: ArrayLike) -> dict[str, Any]:
       mesh, jax.sharding.PartitionSpec(*spec))}
 
 
+@functools.partial(jax.jit, static_argnames='dtype', inline=True)
 def read_rows(table: ArrayLike, ids: jax.Array,
               dtype: Optional[DTypeLike] = None) -> jax.Array:
   """`table[ids]`, with zero rows for ids outside `[0, num_rows)`.
 
   Out-of-range ids (negative ones too: JAX would wrap them before any gather
   mode applies) are mapped to `num_rows` and read with `mode='fill'`.
+  Called outside a trace it runs as one compiled program (one for each
+  shape and dtype), not one for each of its operations; traced, it is
+  inlined.
 
   Args:
     table: `[num_rows, *row_shape]`.
