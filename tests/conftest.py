@@ -18,6 +18,29 @@ os.environ['PYTHONPATH'] = os.pathsep.join(
                 os.environ.get('PYTHONPATH')) if p)
 
 
+# Each xdist worker keeps to its own share of the CPUs (worker k of W takes
+# every W-th one from the k-th), before jax starts its threads; what it
+# starts (the servers of the multi-device and new-process checks, the
+# notebooks' kernels) runs there too, while it waits for them. A process
+# free to use both cores of a 2-core machine spent 5.6 to 5.9 CPU s on 4.5
+# to 4.8 s of compiling that took 4.8 CPU s on one core, in the same time:
+# CPU the other worker then lacks. The whole suite, two pairs of runs
+# (unpinned, pinned): 409 -> 368 s and 423 -> 388 s; CPU 789 -> 724 s and
+# 817 -> 765 s.
+def _keep_to_own_cpus(worker: str, workers: str) -> None:
+  if not (worker.startswith('gw') and workers.isdigit()):
+    return
+  cpus = sorted(os.sched_getaffinity(0))
+  mine = cpus[int(worker[2:])::int(workers)]
+  if mine:
+    os.sched_setaffinity(0, mine)
+
+
+if hasattr(os, 'sched_setaffinity'):
+  _keep_to_own_cpus(os.environ.get('PYTEST_XDIST_WORKER', ''),
+                    os.environ.get('PYTEST_XDIST_WORKER_COUNT', ''))
+
+
 # Programs compiled for checking, not for speed. The suite checks what the
 # library computes and which programs it builds (which kernels, copies,
 # donations, conditionals); how well XLA optimizes their machine code changes
