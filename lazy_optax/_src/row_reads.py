@@ -50,9 +50,7 @@ def read_rows(table: ArrayLike, ids: jax.Array,
 
   Out-of-range ids (negative ones too: JAX would wrap them before any gather
   mode applies) are mapped to `num_rows` and read with `mode='fill'`.
-  Called outside a trace it runs as one compiled program (one for each
-  shape and dtype), not one for each of its operations; traced, it is
-  inlined.
+  One compiled program outside a trace (per shape and dtype); inlined in one.
 
   Args:
     table: `[num_rows, *row_shape]`.
