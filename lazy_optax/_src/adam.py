@@ -149,36 +149,12 @@ def epsilon_hat_adam(
     amsgrad: bool = False,
     impl: str = 'auto',
 ) -> optax.GradientTransformationExtraArgs:
-  """TensorFlow's Adam rule with epsilon hat (`AdamOptimizer`), not lazy.
+  """TensorFlow's Adam rule (epsilon hat), without the learning rate.
 
-  The building block that `scale_by_lazy_adam` wraps with `lazy`: applied to
-  a dense gradient it updates every entry; inside `lazy(...)` its row update
-  is fused (see `fused`).
-
-  Args:
-    b1: decay of the first moment.
-    b2: decay of the second moment.
-    eps: "epsilon hat", added to `sqrt(v)` after bias correction moved to
-      the step size.
-    eps_root: added to `v` under the square root (0 in TensorFlow's Adam rule
-      (epsilon hat)).
-    mu_dtype: dtype of `mu` (default: the parameter's).
-    nu_dtype: dtype of `nu` (default: the parameter's).
-    amsgrad: divide by the running maximum of `nu` instead of `nu`.
-    impl: the row update's implementation inside `lazy(...)`: `'auto'`,
-      `'generic'`, `'xla'` or `'cpu_kernel'` (see `lazy_optax.kernel_status`).
-
-  Returns:
-    An `optax.GradientTransformationExtraArgs` whose updates still need the
-    learning rate (and its sign) applied.
-
-  Example:
-    >>> import jax.numpy as jnp
-    >>> from lazy_optax._src.adam import epsilon_hat_adam
-    >>> tx = epsilon_hat_adam()
-    >>> u, _ = tx.update(jnp.ones(2), tx.init(jnp.zeros(2)))
-    >>> u.round(4)
-    Array([1., 1.], dtype=float32)
+  What `lazy_adam`, `lazy_adamw` and `lazy_adam_cowclip` chain inside
+  `lazy(...)`, and `scale_by_lazy_adam` returns (with its deprecated path):
+  on a dense gradient it updates every entry; inside `lazy(...)` it updates
+  the touched rows (see `fused`). Arguments as `scale_by_lazy_adam`'s.
   """
   fused.check_impl(impl, 'epsilon_hat_adam')
   rule = _adam_rule(amsgrad)
