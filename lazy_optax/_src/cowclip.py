@@ -68,7 +68,7 @@ def _rule() -> fused.RowRule:
   return fused.stateless_rule('cowclip', step)
 
 
-def id_counts(ids: jax.Array, num_rows: int) -> SparseRows:
+def id_counts(ids: jax.typing.ArrayLike, num_rows: int) -> SparseRows:
   """The number of occurrences of each id: the `counts` that CowClip reads.
 
   Args:
