@@ -27,6 +27,39 @@ def test_interleave_takes_one_step_of_each_in_turn():
   assert [out[n]['n'] for n in 'abc'] == [3, 2, 3]
 
 
+def test_interleave_flushes_the_caches_before_every_step_untimed(
+    monkeypatch):
+  # A clock that only the steps (1 ms each) and the flushes (1 s) move.
+  clock = [0.0]
+  monkeypatch.setattr(common.time, 'perf_counter', lambda: clock[0])
+  calls = []
+
+  def step(name):
+    def run(k):
+      calls.append(name)
+      clock[0] += 0.001
+    return run
+
+  def flush():
+    calls.append('flush')
+    clock[0] += 1.0
+
+  out = common.interleave({'a': step('a'), 'b': step('b')},
+                          {'a': (1, 2, 2, 0.0), 'b': (0, 2, 2, 0.0)},
+                          before=flush)
+  assert calls == ['flush', 'a', 'flush', 'b', 'flush', 'a', 'flush', 'b',
+                   'flush', 'a']
+  assert out['a']['median_ms'] == pytest.approx(1.0)
+  assert out['b']['median_ms'] == pytest.approx(1.0)
+
+
+def test_the_cache_flusher_writes_at_least_64_mib_and_what_it_is_asked():
+  assert common.cache_flusher().nbytes >= 64 * 2**20
+  flush = common.cache_flusher(2**20)
+  flush()
+  assert flush.nbytes == 2**20
+
+
 def test_interleave_drops_a_contender_whose_step_raises():
   calls = []
 
@@ -69,7 +102,9 @@ def test_quick_mode_plans_every_contender_at_both_thread_counts():
       ('target', 1), ('target', 2), ('dlrm', 1), ('dlrm', 2)]
   assert all(g['rounds'] == run.ROUNDS >= 3 for g in groups)
   assert groups[0]['contenders'] == list(run.QUICK_CONTENDERS)
-  # Each group: one process for JAX and torch, one a peer.
-  modules = {run._module(c) for c in groups[0]['contenders']}
-  assert modules == {('contenders', ''), ('tf_contender', 'tf'),
-                     ('fbgemm_contender', 'fbgemm')}
+  # Each contender in a process of its own, in its framework's interpreter.
+  processes = [run.process_of(c) for c in groups[0]['contenders']]
+  assert len(set(processes)) == len(processes)
+  assert {(m, peer) for m, peer, _ in processes} == {
+      ('contenders', ''), ('tf_contender', 'tf'),
+      ('fbgemm_contender', 'fbgemm')}

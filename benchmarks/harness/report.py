@@ -608,7 +608,10 @@ def write(results: dict, out: str) -> str:
            '## Targets', '',
            'Whole train steps; target configuration 1,000,000 x 64 float32, '
            '4,096 Zipf ids; DLRM: 26 Criteo Kaggle tables (capped at '
-           '1,000,000 rows) x 16, batch 2,048, MLP.', '',
+           '1,000,000 rows) x 16, batch 2,048, MLP. Every timed step starts '
+           'with cold caches: before it, its process writes twice the '
+           "CPU's largest cache, at least 64 MiB (`common.cache_flusher`).",
+           '',
            '| ratio | measured | goal | |', '| --- | --- | --- | --- |']
   for what, value, goal in ratios(results):
     lines.append(f'| {what} | '

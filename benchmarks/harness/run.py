@@ -5,17 +5,17 @@ the peers' interpreters made by `python3 benchmarks/peers.py setup DIR`:
 
     export LAZY_OPTAX_TF_PYTHON=DIR/tf/bin/python
     export LAZY_OPTAX_FBGEMM_PYTHON=DIR/fbgemm/bin/python
-    python3 benchmarks/run.py --mode quick --out OUT   # 8.5 to 10 min, 2 cores
+    python3 benchmarks/run.py --mode quick --out OUT   # about 2 min, 2 idle cores
     python3 benchmarks/run.py --mode full --out OUT    # + opt step, sweeps
     python3 benchmarks/run.py --huge-pages --out OUT   # on huge pages
 
-Each configuration (a workload at 1 or 2 threads) runs in one `taskset`-pinned
-process for JAX and torch, whose contenders are built first and then timed
-step by step in turn (one step of each, again and again), and, where they
-run, one process for TensorFlow Addons and one for FBGEMM (their numpy and
-torch cannot share the first). The processes take rounds: round 1 of every
-process, then round 2 (in reverse order), and so on; a contender's time is
-the median over rounds of each round's median step. Results go to `OUT`
+Each configuration (a workload at 1 or 2 threads) runs every contender in a
+`taskset`-pinned process of its own (TensorFlow Addons and FBGEMM in their
+own interpreters: their numpy and torch cannot share this one), every
+contender's timed step after a write of twice the CPU's largest cache (cold
+caches for all, `common.cache_flusher`). The processes take rounds: round 1
+of every process, then round 2 (in reverse order), and so on; a contender's
+time is the median over rounds of each round's median step. Results go to `OUT`
 (`results.json`, `results.md` with every table, PNG plots), never over the
 committed `benchmarks/results/` (a folder there must be named `tmp*`); the
 table that docs/performance.md shows is printed, then every ratio and goal.
@@ -263,6 +263,14 @@ def _module(contender: str) -> tuple[str, str]:
   return 'contenders', ''
 
 
+def process_of(contender: str) -> tuple[str, str, str]:
+  """(module, peer, contender): the process that measures a contender, one of
+  its own. Beside torch in one process, JAX's single-table step took 1.89
+  to 1.95 ms, against 1.40 to 1.44 ms alone (1 thread, cold caches, 3
+  rounds, 2026-11-29)."""
+  return (*_module(contender), contender)
+
+
 def _record(cfg: dict, r: int, info: dict, got: dict) -> dict:
   """One (contender, round) of results.json."""
   rec = dict(cfg, round=r, **info)
@@ -292,12 +300,13 @@ def _run_group(group: dict, mode: str, pythons: dict, smoke: bool
       plan = (1, 3, 2, 0.0)
     cfg = dict(base, contender=c, pool=16, grad_pool=4,
                plan={'train': plan, 'opt': plan})
-    by_proc.setdefault(_module(c), []).append(cfg)
-  procs = [(_Process(m, pythons[peer], cfgs, threads), cfgs)
-           for (m, peer), cfgs in by_proc.items()]
-  infos = {}
-  for p, _ in procs:
-    infos.update(p.answer())
+    by_proc.setdefault(process_of(c), []).append(cfg)
+  # Built one after another, so that no process's compile time counts
+  # another's.
+  procs, infos = [], {}
+  for (m, peer, _), cfgs in by_proc.items():
+    procs.append((_Process(m, pythons[peer], cfgs, threads), cfgs))
+    infos.update(procs[-1][0].answer())
   records = []
   for r in range(group['rounds']):
     for p, cfgs in (procs if r % 2 == 0 else procs[::-1]):
