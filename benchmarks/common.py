@@ -215,14 +215,13 @@ def cache_flusher(nbytes: int = 0):
   """A function that writes `nbytes` of memory, so that what runs next finds
   none of its data in the CPU's caches.
 
-  Every contender's timed step starts that way (`interleave`): in a process
-  of several contenders each step would otherwise find the caches as the
-  previous contender left them (a dense `optax.adam` step sweeps them all),
-  while a contender alone in its process (TensorFlow's, FBGEMM's) would find
-  its own hot rows still there. Measured on a 2-core AMD EPYC (32 MiB L3,
-  1 thread), a 1,000,000 x 64 table's step took 0.83 ms warm and 1.36 ms
-  after such a write for `lazy_adam`, 1.06 and 1.70 ms for TF Addons'
-  `LazyAdam`.
+  Every contender's timed step starts that way (`interleave`), so that
+  none is timed warm and another cold: a step would otherwise find the
+  caches as the step before it left them, its own hot rows still there
+  after its own step, all of them gone after a dense `optax.adam` step.
+  Measured on a 2-core AMD EPYC (32 MiB L3, 1 thread), a 1,000,000 x 64
+  table's step took 0.83 ms warm and 1.36 ms after such a write for
+  `lazy_adam`, 1.06 and 1.70 ms for TF Addons' `LazyAdam`.
 
   Args:
     nbytes: how much to write; 0 (the default): twice the CPU's largest
