@@ -63,8 +63,10 @@ def _public_functions(module_name):
 
 @pytest.mark.parametrize('module_name', PUBLIC_MODULES)
 def test_array_inputs_are_array_like(module_name):
+  functions = list(_public_functions(module_name))
+  assert functions, f'{module_name}: no public function found in __all__'
   bare = [f'{where}({param.name})'
-          for where, fn in _public_functions(module_name)
+          for where, fn in functions
           for param in inspect.signature(fn).parameters.values()
           if param.annotation in ('jax.Array', 'jnp.ndarray', 'Array')
           and param.name != 'key']
